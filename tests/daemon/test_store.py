@@ -3956,6 +3956,51 @@ class _NamespaceRecordsFull:
         return self.db.executemany(sql, *args)
 
 
+def _open_l2(tmp_path):
+    """A disk tier in ``tmp_path / "l2"`` whose recovery the store runs."""
+    from kvtier.tiers.disk import DiskTier
+
+    return DiskTier(
+        tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, enospc_retry_s=0.0,
+        recover_later=True,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _namespace_records_fail(disk, fault: str):
+    """Within the block, the commits of ``disk``'s namespace records fail: ``full``, its
+    index's connection failing them as a full disk does (``_NamespaceRecordsFull``);
+    ``locked``, another connection holding the index in a write transaction. Room comes back
+    (the lock is let go) at the end."""
+    index = disk._idx()
+    real = index._db
+    other = sqlite3.connect(disk.directory / "index.sqlite3", isolation_level=None)
+    try:
+        if fault == "full":
+            index._db = _NamespaceRecordsFull(real)
+        else:
+            other.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        if fault == "full":
+            index._db = real
+        other.close()
+
+
+async def _put_then_restart(make_store, tmp_path, store, pool, ns, chain, owner, **kw):
+    """Put ``chain`` durably into ``ns`` of ``store`` (its L2 ``_open_l2(tmp_path)``), stop
+    it, and return a store made again (``kw`` as for ``make_store``) on that L2 reopened,
+    recovered."""
+    n = len(chain)
+    _, persisted = await store.put(pool, ns, chain, np.arange(n), None, durable=True, owner=owner)
+    assert persisted.all()
+    await store.stop(flush=False)
+    store.close()
+    again = make_store(store._clock, l2=_open_l2(tmp_path), **kw)
+    await again.recover()
+    return again
+
+
 @pytest.mark.parametrize("fault", ["full", "locked"])
 async def test_regression_a_namespace_first_bound_on_a_full_disk_came_back_owned_by_no_tenant(
     make_store, tmp_path, monkeypatch, fault
@@ -3966,48 +4011,51 @@ async def test_regression_a_namespace_first_bound_on_a_full_disk_came_back_owned
     once a write got through (room back, the lock let go), with no record of their tenant: a
     restart brought them back counted to no tenant (the default's), off their tenant's usage
     and quota. The record now commits with the first blocks committed after it failed."""
-    from kvtier.tiers.disk import DiskTier
     from kvtier.tiers.disk import index as index_module
 
     monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
     clock = Clock()
-
-    def open_disk() -> DiskTier:
-        return DiskTier(
-            tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, enospc_retry_s=0.0,
-            recover_later=True,
-        )  # fmt: skip
-
-    disk = open_disk()
+    disk = _open_l2(tmp_path)
     store, pool = make_store(clock, l2=disk), make_pool()
     await store.recover()
     store.owner_of("bob")  # alice's owner index is not the default's
-    index = disk._idx()
-    real = index._db
-    other = sqlite3.connect(tmp_path / "l2" / "index.sqlite3", isolation_level=None)
-    if fault == "full":
-        index._db = _NamespaceRecordsFull(real)
-    else:
-        other.execute("BEGIN IMMEDIATE")
-    alice = await store.namespace(77, "alice")
-    assert disk.health().state is not Health.OK
-    if fault == "full":
-        index._db = real  # room comes back
-    else:
-        other.execute("ROLLBACK")
-    other.close()
+    with _namespace_records_fail(disk, fault):
+        alice = await store.namespace(77, "alice")
+        assert disk.health().state is not Health.OK
     chain = keys(4)
-    _, persisted = await store.put(pool, 77, chain, np.arange(4), None, durable=True, owner=alice)
-    assert persisted.all()
-    await store.stop(flush=False)
-    store.close()
-    again = make_store(clock, l2=open_disk())
-    await again.recover()
+    again = await _put_then_restart(make_store, tmp_path, store, pool, 77, chain, alice)
     ids = again.table.lookup(77, chain)
     assert (ids >= 0).all()
     labels = again.space.owner_labels
     assert [labels[o] for o in again.table.owner[ids].tolist()] == ["alice"] * 4
     assert labels[again.ns_owner[77]] == "alice"
+
+
+@pytest.mark.parametrize("fault", ["full", "locked"])
+async def test_regression_a_namespace_unbound_on_a_full_disk_came_back_bound_after_a_restart(
+    make_store, tmp_path, monkeypatch, fault
+):
+    """A bind that unbinds its tenant's empty namespaces drops their records on L2. Where
+    that drop failed (SQLITE_FULL, an index another process held locked), the disk tier took
+    it as its own fault and returned: the record stayed, and a restart bound the empty
+    namespace to its tenant again, one more toward ``server.max_namespaces_per_tenant``. The
+    drop now commits with the first blocks committed after it failed."""
+    from kvtier.tiers.disk import index as index_module
+
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    clock = Clock()
+    limit = ("server.max_namespaces_per_tenant=1",)
+    disk = _open_l2(tmp_path)
+    store, pool = make_store(clock, l2=disk, sets=limit), make_pool()
+    await store.recover()
+    alice = await store.namespace(77, "alice")
+    with _namespace_records_fail(disk, fault):
+        assert await store.namespace(78, "alice") == alice  # unbinds 77, which holds no block
+        assert 77 not in store.ns_owner
+        assert disk.health().state is not Health.OK
+    chain = keys(4)
+    again = await _put_then_restart(make_store, tmp_path, store, pool, 78, chain, alice, sets=limit)
+    assert again.ns_owner == {78: again.owners["alice"]}
 
 
 def _state_of(store, words) -> dict[str, object]:

@@ -1810,6 +1810,32 @@ def test_regression_a_namespace_record_that_failed_was_never_made_though_its_blo
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
 
+def test_regression_a_namespace_forget_that_failed_left_its_record_for_the_next_start(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drop of a namespace's record whose commit failed (an index another process held
+    locked; SQLITE_FULL on a full disk alike) was only the tier's fault: the record of a
+    namespace with no block stayed, and a restart bound it to its tenant again (one namespace
+    more toward its limit until unbound again). The drop is kept and made by the next commit
+    of block rows, as a failed record is; a record made again meanwhile wins."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.0) as tier:
+        for ns, label in ((1, "alice"), (2, "alice"), (3, "bob")):
+            tier.remember_namespace(ns, label)
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        tier.forget_namespaces([1, 3])
+        assert tier.health().state is not Health.OK
+        tier.remember_namespace(3, "bob")  # bound again before the drop was made
+        other.execute("ROLLBACK")
+        other.close()
+        assert tier.namespaces() == {1: "alice", 2: "alice", 3: "bob"}
+        _persist(tier, make_block, [0], 4096)
+        assert tier.namespaces() == {2: "alice", 3: "bob"}
+    with _open(disk_dir) as tier:
+        assert tier.namespaces() == {2: "alice", 3: "bob"}
+
+
 def test_a_namespace_record_kept_after_a_failure_outlives_a_commit_rolled_back(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2662,6 +2688,32 @@ def test_regression_slots_a_locked_index_kept_from_a_put_are_freed_without_a_com
         assert tier.allocator.used_bytes == 0
 
 
+def _returns_on_the_locked_index(
+    tier: DiskTier,
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    call: Callable[..., None],
+    *args: object,
+) -> None:
+    """Run ``call(*args)`` on ``tier`` degraded by its index locked from another connection
+    (``_locked_index``), SQLite's busy timeout then set to an hour: ``call`` must return
+    within 20 s, the tier still degraded by the lock, which is let go after."""
+    with _locked_index(tier, disk_dir, make_block) as other:
+        monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+        tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+        thread = threading.Thread(target=call, args=args)
+        thread.start()
+        try:
+            thread.join(20)  # it waited an hour before
+            assert not thread.is_alive()
+            health = tier.health()
+            assert health.state == Health.DEGRADED_IO and "locked" in health.detail
+        finally:
+            other.execute("ROLLBACK")
+            thread.join()
+
+
 def test_regression_a_namespace_record_on_a_locked_index_waited_out_the_busy_timeout(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2673,22 +2725,30 @@ def test_regression_a_namespace_record_on_a_locked_index_waited_out_the_busy_tim
     with the first write committed once the lock is let go."""
     monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
     with _open(disk_dir, enospc_retry_s=0.0) as tier:
-        with _locked_index(tier, disk_dir, make_block) as other:
-            monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
-            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
-            record = threading.Thread(target=tier.remember_namespace, args=(1, "alice"))
-            record.start()
-            try:
-                record.join(20)  # it waited an hour before
-                assert not record.is_alive()
-                health = tier.health()
-                assert health.state == Health.DEGRADED_IO and "locked" in health.detail
-            finally:
-                other.execute("ROLLBACK")
-                record.join()
+        record = tier.remember_namespace
+        _returns_on_the_locked_index(tier, disk_dir, make_block, monkeypatch, record, 1, "alice")
         assert tier.namespaces() == {}
         _persist(tier, make_block, [2], 4096)
         assert tier.namespaces() == {1: "alice"}
+        assert tier.health().state == Health.OK
+
+
+def test_regression_a_namespace_forget_on_a_locked_index_waited_out_the_busy_timeout(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drop of the records of namespaces a bind unbinds, while another process held the
+    index locked (the tier degraded by that lock), waited out the busy timeout (30 s) holding
+    the index's lock, as a namespace's record did before 8ac3a83: the put binding a namespace
+    took that long. It now tries the lock once and is made with the first write committed
+    once the lock is let go."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.0) as tier:
+        tier.remember_namespace(1, "alice")
+        forget = tier.forget_namespaces
+        _returns_on_the_locked_index(tier, disk_dir, make_block, monkeypatch, forget, [1])
+        assert tier.namespaces() == {1: "alice"}
+        _persist(tier, make_block, [2], 4096)
+        assert tier.namespaces() == {}
         assert tier.health().state == Health.OK
 
 

@@ -6,7 +6,8 @@ service across restarts), ``namespaces`` (their owners' labels) and ``l3_removal
 whose removal from L3 the store has not confirmed yet, with when the store drops them anyway:
 kept here for the L3 tier, which has no disk of its own). No block row commits without the
 record of its namespace that the owner asked for: a record whose own commit failed is written
-by the next commit of block rows, in its transaction (``remember``).
+by the next commit of block rows, in its transaction (``remember``), and so is the drop of one
+(``forget``).
 
 ``blocks`` is keyed by slot, with no index on ``(ns, key)``: the daemon keeps the key map in
 memory and needs the index only to recover it, to delete rows by slot and to check slots. A row
@@ -298,8 +299,9 @@ class DiskIndex:
         self._clock = clock
         self._count: Callable[..., None] = count or _count_nothing
         self._unrestorable = ""  # why an index removed while open could not be written back
-        # Namespace records (ns -> label) whose commit failed: made by the next commit.
-        self._unrecorded: dict[int, str] = {}
+        # Namespace records whose commit failed (ns -> label; None: the record dropped, by
+        # ``forget``): made by the next commit.
+        self._unrecorded: dict[int, str | None] = {}
         # Reentrant: a caller holding it across several calls (``held``) makes them as usual.
         self._lock = threading.RLock()
         self.moved_aside = ""  # why the index found at open was moved aside, if it was
@@ -361,28 +363,33 @@ class DiskIndex:
         of a record, so that no block row commits without its namespace's record.
         ``wait_busy=False``: a lock another process holds fails it at once, as in
         ``insert_when``."""
+        self._commit_names({ns: label}, wait_busy=wait_busy)
+
+    def forget(self, names: Sequence[int], *, wait_busy: bool = True) -> None:
+        """Drop the records of ``names`` (those kept since their commit failed too), as
+        ``remember`` makes one: where the commit fails, the drop is kept for the next commit,
+        so that a namespace with no block is not bound to its owner again at the next open;
+        a record made again meanwhile replaces it."""
+        self._commit_names(dict.fromkeys(names), wait_busy=wait_busy)
+
+    def _commit_names(self, changes: dict[int, str | None], *, wait_busy: bool) -> None:
+        """Commit ``changes`` (ns -> label, None to drop its record) with those kept since
+        their commit failed; kept in turn where this commit fails."""
         with self._lock:
-            self._unrecorded[ns] = label
+            self._unrecorded.update(changes)
             with self.transaction(wait_busy=wait_busy) as db:
                 self._record_names(db)
             self._unrecorded.clear()
 
-    def forget(self, names: Sequence[int]) -> None:
-        """Drop the records of ``names``, those kept since their commit failed too."""
-        signed = [(_signed(ns),) for ns in names]
-        with self._lock:
-            for ns in names:
-                self._unrecorded.pop(ns, None)
-            with self.transaction() as db:
-                db.executemany("DELETE FROM namespaces WHERE ns = ?", signed)
-
     def _record_names(self, db: sqlite3.Connection) -> None:
-        """Write the namespace records ``remember`` could not commit yet, in the caller's
-        transaction. Called holding ``_lock``."""
-        db.executemany(
-            "INSERT OR REPLACE INTO namespaces VALUES (?, ?)",
-            [(_signed(ns), label) for ns, label in self._unrecorded.items()],
-        )
+        """Write the namespace records (and drops) ``remember`` and ``forget`` could not
+        commit yet, in the caller's transaction. Called holding ``_lock``."""
+        kept = [(_signed(ns), label) for ns, label in self._unrecorded.items() if label is not None]
+        dropped = [(_signed(ns),) for ns, label in self._unrecorded.items() if label is None]
+        if kept:
+            db.executemany("INSERT OR REPLACE INTO namespaces VALUES (?, ?)", kept)
+        if dropped:
+            db.executemany("DELETE FROM namespaces WHERE ns = ?", dropped)
 
     def l3_removals(self) -> list[tuple[bytes, float | None]]:
         """What ``record_l3_removals`` left (``read_l3_removals``)."""
@@ -417,8 +424,8 @@ class DiskIndex:
         *,
         wait_busy: bool = True,
     ) -> bool:
-        """Insert or replace ``rows``, and the namespace records ``remember`` could not
-        commit, in a transaction that commits only once ``durable`` returns, so that SQLite
+        """Insert or replace ``rows``, and the namespace records ``remember`` and ``forget``
+        could not commit, in a transaction that commits only once ``durable`` returns, so that SQLite
         inserts while the rows' bytes are still going to disk.
         ``durable`` runs inside the transaction, holding the index (it must not commit
         through it; ``growth_bytes`` reads the transaction's size through it), and returns

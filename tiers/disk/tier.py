@@ -1430,9 +1430,11 @@ class DiskTier:
 
     def forget_namespaces(self, names: list[int]) -> None:
         """Drop the records of namespaces that hold no block any more (their owner moved on;
-        one recorded again when it is bound again)."""
+        one recorded again when it is bound again). A drop that fails is a fault of the tier,
+        not raised, and made by the next commit, as a failed record is
+        (``remember_namespace``), trying the lock once while another process holds it."""
         try:
-            self._idx().forget(names)
+            self._idx().forget(names, wait_busy=not self.faults.lock_held())
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index namespace update")
 
