@@ -25,6 +25,7 @@ from races import ContendedLock, wait_for
 from kvtier.tiers.base import Health, TierUnavailable, WriteOutcome
 from kvtier.tiers.disk import DiskTier, ReadItem
 from kvtier.tiers.disk.index import DiskIndex
+from kvtier.tiers.disk.io import Block as IoBlock
 from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME, space_needed
 
 MiB = 1 << 20
@@ -588,6 +589,71 @@ def test_regression_removals_on_a_full_disk_failed_where_the_index_grew_past_the
     150 KiB: without its growth every removal fails."""
     monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
     _removals_after_growth(small_fs, make_block, tmp_path)
+
+
+def _grow_by_quarantine(tier: DiskTier, disk_dir: Path) -> None:
+    """The reads of 2,000 blocks failed (one batch's), each quarantined with a reason of the
+    200 characters the index keeps: some 500 KiB of index pages."""
+    failed = []
+    for pos in range(2000):
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        failed.append(IoBlock(pos, slot, 0, 0, 4096, 4096, None, False, error="E" * 200))
+    tier._quarantine(failed)
+
+
+def _grow_by_namespace_records(tier: DiskTier, disk_dir: Path) -> None:
+    """2,000 namespaces bound while another process held the index locked (their records
+    kept), the lock let go, one more bound: its commit makes all 2,001, some 200 KiB."""
+    other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    label = "tenant:" + "t" * 64
+    for ns in range(1, 2001):
+        tier.remember_namespace(ns, label)
+    other.execute("ROLLBACK")
+    other.close()
+    tier.remember_namespace(2001, label)
+    assert len(tier.namespaces()) == 2001
+
+
+def _grow_by_removals_journal(tier: DiskTier, disk_dir: Path) -> None:
+    """A Delete of 4,096 blocks while L3 was down: its removals journaled in the index, keys
+    of 92 bytes (a 20-character namespace token), some 500 KiB."""
+    keys = [b"kvtier:" + b"t" * 20 + b":" + os.urandom(32).hex().encode() for _ in range(4096)]
+    assert tier.record_removals([(k, None) for k in keys], [])
+
+
+@pytest.mark.parametrize(
+    "grow", [_grow_by_quarantine, _grow_by_namespace_records, _grow_by_removals_journal]
+)
+def test_regression_removals_on_a_full_disk_failed_after_commits_the_reserve_did_not_see(
+    small_fs: Path,
+    make_block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    grow: Callable[[DiskTier, Path], None],
+) -> None:
+    """The reserve's growth (6c27efc) is checked before a write's commit only: a quarantine,
+    namespace records or the L3 removals journal committed without it grew the index past
+    the reserve (here 64 KiB) while the disk had room; once it filled, the WAL's restart on
+    the room a removal gave back could not grow the index file to hold that growth, and
+    removals failed, their Deletes answered with their rows kept (served again after a
+    crash). Each of these commits now grows the reserve first where it fits: the quarantine
+    and the records are not committed where it does not (a record is kept for the next
+    commit; a quarantine is held in memory); the journal, a Delete's own record, is."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    monkeypatch.setattr("kvtier.tiers.disk.index.BUSY_TIMEOUT_S", 0.2)
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    kept = _allocate(tier, make_block, 0, 16)
+    assert all(o.ok for o in persist(tier, kept))
+    grow(tier, directory)
+    fill_disk(small_fs / "filler")
+    failed = [n for n, it in enumerate(kept) if not tier.remove([it.slot])]
+    assert failed == [], f"{len(failed)} of {len(kept)} removals failed, the first #{failed[0]}"
+    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+        assert len(copy.recover()) == 0
+    tier.close()
 
 
 def test_regression_a_grown_reserve_given_back_for_a_removal_was_logged_at_its_first_size(

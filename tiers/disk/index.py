@@ -244,7 +244,13 @@ class IndexNoRoom(sqlite3.OperationalError):
     sqlite_errorname = "SQLITE_FULL"
 
 
+class _NoRoom(Exception):
+    """A transaction's ``room`` check refused its commit (``DiskIndex.transaction``)."""
+
+
 FileId = tuple[int, int] | None  # (st_dev, st_ino) of a file, None when there is none
+# Whether a commit may take the room its pages need (``DiskIndex.transaction``).
+Room = Callable[[], bool]
 
 
 BlockRow = tuple[int, bytes, int, int, int, float]  # ns, key, slot, nbytes, checksum, written_at
@@ -356,30 +362,41 @@ class DiskIndex:
             rows = self._conn().execute("SELECT ns, label FROM namespaces").fetchall()
         return {int(ns) & ((1 << 64) - 1): str(label) for ns, label in rows}
 
-    def remember(self, ns: int, label: str, *, wait_busy: bool = True) -> None:
+    def remember(
+        self, ns: int, label: str, *, wait_busy: bool = True, room: Room | None = None
+    ) -> bool:
         """Record ``label`` for namespace ``ns``, with the records kept since their commit
-        failed. Raises what the commit raised (a full disk, a lock); the record is then kept
-        and made by the next commit of block rows, in its transaction (``insert_when``), or
-        of a record, so that no block row commits without its namespace's record.
-        ``wait_busy=False``: a lock another process holds fails it at once, as in
-        ``insert_when``."""
-        self._commit_names({ns: label}, wait_busy=wait_busy)
+        failed. Raises what the commit raised (a full disk, a lock), and False where ``room``
+        refused it (``transaction``); the record is then kept and made by the next commit of
+        block rows, in its transaction (``insert_when``), or of a record, so that no block
+        row commits without its namespace's record. ``wait_busy=False``: a lock another
+        process holds fails it at once, as in ``insert_when``."""
+        return self._commit_names({ns: label}, wait_busy=wait_busy, room=room)
 
-    def forget(self, names: Sequence[int], *, wait_busy: bool = True) -> None:
+    def forget(
+        self, names: Sequence[int], *, wait_busy: bool = True, room: Room | None = None
+    ) -> bool:
         """Drop the records of ``names`` (those kept since their commit failed too), as
         ``remember`` makes one: where the commit fails, the drop is kept for the next commit,
         so that a namespace with no block is not bound to its owner again at the next open;
         a record made again meanwhile replaces it."""
-        self._commit_names(dict.fromkeys(names), wait_busy=wait_busy)
+        return self._commit_names(dict.fromkeys(names), wait_busy=wait_busy, room=room)
 
-    def _commit_names(self, changes: dict[int, str | None], *, wait_busy: bool) -> None:
+    def _commit_names(
+        self, changes: dict[int, str | None], *, wait_busy: bool, room: Room | None
+    ) -> bool:
         """Commit ``changes`` (ns -> label, None to drop its record) with those kept since
-        their commit failed; kept in turn where this commit fails."""
+        their commit failed; kept in turn where this commit fails or ``room`` refuses it
+        (False)."""
         with self._lock:
             self._unrecorded.update(changes)
-            with self.transaction(wait_busy=wait_busy) as db:
-                self._record_names(db)
+            try:
+                with self.transaction(wait_busy=wait_busy, room=room) as db:
+                    self._record_names(db)
+            except _NoRoom:
+                return False
             self._unrecorded.clear()
+        return True
 
     def _record_names(self, db: sqlite3.Connection) -> None:
         """Write the namespace records (and drops) ``remember`` and ``forget`` could not
@@ -397,10 +414,14 @@ class DiskIndex:
             return read_l3_removals(self._conn())
 
     def record_l3_removals(
-        self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
+        self,
+        added: Sequence[tuple[bytes, float | None]],
+        dropped: Sequence[bytes],
+        room: Room | None = None,
     ) -> None:
-        """``write_l3_removals`` in one transaction."""
-        with self.transaction() as db:
+        """``write_l3_removals`` in one transaction; ``room`` as for ``transaction``, but it
+        must not refuse: the tier never refuses this record (``DiskTier._reserve_grown``)."""
+        with self.transaction(room=room) as db:
             write_l3_removals(db, added, dropped)
 
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
@@ -518,15 +539,20 @@ class DiskIndex:
             except OSError:
                 return 0
 
-    def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
-        """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""
+    def quarantine(self, entries: Sequence[tuple[int, int, str]], room: Room | None = None) -> bool:
+        """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows; False
+        where ``room`` refused the commit (``transaction``)."""
         now = self._clock()
-        with self.transaction() as db:
-            db.executemany("DELETE FROM blocks WHERE slot = ?", [(e[0],) for e in entries])
-            db.executemany(
-                "INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?)",
-                [(slot, nbytes, reason[:200], now) for slot, nbytes, reason in entries],
-            )
+        try:
+            with self.transaction(room=room) as db:
+                db.executemany("DELETE FROM blocks WHERE slot = ?", [(e[0],) for e in entries])
+                db.executemany(
+                    "INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?)",
+                    [(slot, nbytes, reason[:200], now) for slot, nbytes, reason in entries],
+                )
+        except _NoRoom:
+            return False
+        return True
 
     def drop(self, block_slots: Sequence[int], quarantine_slots: Sequence[int]) -> None:
         with self.transaction() as db:
@@ -543,11 +569,20 @@ class DiskIndex:
             yield
 
     @contextlib.contextmanager
-    def transaction(self, *, wait_busy: bool = True) -> Iterator[sqlite3.Connection]:
+    def transaction(
+        self, *, wait_busy: bool = True, room: Room | None = None
+    ) -> Iterator[sqlite3.Connection]:
+        """One write transaction, the files checked before and after it (``_check_files``).
+        ``room`` is called once the block's statements ran, before the commit, holding the
+        index (``growth_bytes`` counts the transaction's pages), as ``insert_when`` calls
+        ``durable``: False rolls the transaction back and raises ``_NoRoom``, which
+        ``remember``, ``forget`` and ``quarantine`` answer as False."""
         with self._lock:
             db = self._checked_conn(wait_busy=wait_busy)
             with _immediate(db, wait_busy=wait_busy):
                 yield db
+                if room is not None and not room():
+                    raise _NoRoom
             self._check_files(db)
 
     def check_files(self) -> None:

@@ -59,6 +59,7 @@ import bisect
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -144,13 +145,14 @@ AUX_RESERVE_BYTES = 1 << 20
 # cannot grow on a full disk), so that a removal, which only shrinks the tier, still becomes
 # durable there; made again before a write commits, which waits for space back. 256 KiB: 60
 # WAL pages, the deletion of 60 rows spread over the table, or 4,000 of consecutive slots, in
-# one transaction. Grown, before a write commits, to hold the index's growth the WAL holds
-# too (up to some 4 MiB, SQLite checkpointing on its own at 1,000 WAL pages; unbounded while
-# another process's reader holds that checkpoint back), which the WAL's restart on the room
-# given back grows the index file by, and half of ``RESERVE_BYTES`` more for the removal's
-# own pages: ``_reserve_ready``, in steps of ``RESERVE_GROWTH_STEP_BYTES`` (a tier filling
-# up grows it a few times in all); it does not shrink again until given back (its growth
-# lies beyond ``AUX_RESERVE_BYTES``, as the index's own does).
+# one transaction. Grown, before a write commits (and a quarantine, a namespace record or the
+# L3 removals journal: ``_reserve_grown``), to hold the index's growth the WAL holds too (up
+# to some 4 MiB, SQLite checkpointing on its own at 1,000 WAL pages; unbounded while another
+# process's reader holds that checkpoint back), which the WAL's restart on the room given back
+# grows the index file by, and half of ``RESERVE_BYTES`` more for the removal's own pages:
+# ``_reserve_ready``, in steps of ``RESERVE_GROWTH_STEP_BYTES`` (a tier filling up grows it a
+# few times in all); it does not shrink again until given back (its growth lies beyond
+# ``AUX_RESERVE_BYTES``, as the index's own does).
 RESERVE_NAME = "index.reserve"
 RESERVE_BYTES = 256 << 10
 RESERVE_GROWTH_STEP_BYTES = 1 << 20
@@ -1128,7 +1130,9 @@ class DiskTier:
             os.close(fd)
 
     def _reserve_ready(self, what: str = "index commit") -> bool:
-        """Whether the reserve is there for a write's commit, holding the index's growth that
+        """Whether the reserve is there for a commit that grows the index (a write's, a
+        quarantine's, a namespace record's; ``_reserve_grown`` for the L3 removals journal's),
+        holding the index's growth that
         the WAL holds (``growth_bytes``, this write's transaction included), which the WAL's
         restart on the room a removal on a full disk gives back must grow the index file by,
         and half of ``RESERVE_BYTES`` more for the removal's pages: made now where it is
@@ -1164,6 +1168,15 @@ class DiskTier:
             )
             self.faults.fault(fault, what, f"{what}: {fault.detail}")
             return False
+        return True
+
+    def _reserve_grown(self, what: str) -> bool:
+        """``_reserve_ready`` for the L3 removals journal's record, which it never refuses:
+        True. The record is a Delete's own (refused, the Delete's keys would come back from
+        L3 after a restart), a removal's as a block row's deletion is: it may commit in the
+        room a removal on a full disk gave back, and beyond the reserve where it cannot grow
+        (the tier then degraded by the full disk, as a write would find it)."""
+        self._reserve_ready(what)
         return True
 
     def _give_back_reserve(self) -> bool:
@@ -1422,21 +1435,34 @@ class DiskTier:
         it in its transaction (``DiskIndex.remember``), so no block of ``ns`` is committed
         without it, and a put is not failed by the record alone. While another process holds
         the index locked, it tries the lock once, as a write does: waiting out the busy
-        timeout held up the put that binds ``ns``, and every commit behind it."""
+        timeout held up the put that binds ``ns``, and every commit behind it. It commits only
+        where the reserve holds the index's growth (``_reserve_ready``), or is kept too."""
+        what = "index namespace update"
         try:
-            self._idx().remember(ns, label, wait_busy=not self.faults.lock_held())
+            self._idx().remember(
+                ns,
+                label,
+                wait_busy=not self.faults.lock_held(),
+                room=functools.partial(self._reserve_ready, what),
+            )
         except sqlite3.Error as e:
-            self.faults.fault(classify(e), "index namespace update")
+            self.faults.fault(classify(e), what)
 
     def forget_namespaces(self, names: list[int]) -> None:
         """Drop the records of namespaces that hold no block any more (their owner moved on;
         one recorded again when it is bound again). A drop that fails is a fault of the tier,
         not raised, and made by the next commit, as a failed record is
-        (``remember_namespace``), trying the lock once while another process holds it."""
+        (``remember_namespace``), trying the lock once while another process holds it, and
+        kept where the reserve does not hold the index's growth."""
+        what = "index namespace update"
         try:
-            self._idx().forget(names, wait_busy=not self.faults.lock_held())
+            self._idx().forget(
+                names,
+                wait_busy=not self.faults.lock_held(),
+                room=functools.partial(self._reserve_ready, what),
+            )
         except sqlite3.Error as e:
-            self.faults.fault(classify(e), "index namespace update")
+            self.faults.fault(classify(e), what)
 
     def removals(self) -> list[tuple[bytes, float | None]]:
         """The key-addressed tier's removals kept by ``record_removals`` (``RemovalJournal``);
@@ -1451,11 +1477,15 @@ class DiskTier:
         self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
     ) -> bool:
         """Keep ``added`` and forget ``dropped`` durably, in the index beside the blocks'
-        rows (``RemovalJournal``). False: not recorded (a fault of the tier)."""
+        rows (``RemovalJournal``), the reserve grown first for the index's growth where it
+        fits (``_reserve_grown``). False: not recorded (a fault of the tier)."""
+        what = "index removals update"
         try:
-            self._idx().record_l3_removals(added, dropped)
+            self._idx().record_l3_removals(
+                added, dropped, room=functools.partial(self._reserve_grown, what)
+            )
         except sqlite3.Error as e:
-            self.faults.fault(classify(e), "index removals update")
+            self.faults.fault(classify(e), what)
             return False
         return True
 
@@ -1749,12 +1779,19 @@ class DiskTier:
                 "L2: %d more blocks of the same read failed (keys logged at DEBUG)",
                 len(blocks) - _LOGGED_FAILURES,
             )
+        # Committed only where the reserve holds the index's growth (``_reserve_ready``): a
+        # quarantine of a batch's blocks adds up to ~250 bytes of index per slot (a reason
+        # of 200 characters; ~40 for "checksum mismatch"). Not
+        # committed, or failed, the slots are quarantined in memory all the same; after a
+        # restart their rows would be served again only if their bytes verify.
+        what = "index quarantine update"
         try:
-            self._idx().quarantine([(b.slot, b.nbytes, b.error) for b in blocks])
+            self._idx().quarantine(
+                [(b.slot, b.nbytes, b.error) for b in blocks],
+                room=functools.partial(self._reserve_ready, what),
+            )
         except sqlite3.Error as e:
-            # The slots are quarantined in memory all the same; after a restart their rows
-            # would be served again only if their bytes verify.
-            self.faults.fault(classify(e), "index quarantine update")
+            self.faults.fault(classify(e), what)
         with self._state_lock:
             for b in blocks:
                 # A slot two reads found bad at once is quarantined twice: counted once.
