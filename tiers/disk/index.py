@@ -697,12 +697,10 @@ class DiskIndex:
                 f"the WAL of {self.path} was removed or replaced while open and its commits "
                 "could not be checkpointed into the index yet (another process holds it)"
             )
-        # The new connection first: where its WAL's files find no room (``IndexNoRoom``),
-        # the old one, its WAL checkpointed, stays open and the ids unchanged, so the next
-        # check tries again; closed first, it left the index closed until a restart.
-        self._db = self._connect()
+        self._db = None
         with contextlib.suppress(sqlite3.Error):
             db.close()
+        self._db = self._connect()
         self._ids = self._file_ids()
         log.warning(
             "L2 index %s: its WAL was removed or replaced while open; its commits were "
