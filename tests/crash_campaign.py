@@ -367,8 +367,9 @@ UNFREED = "slots could not be freed"
 NO_ROOM_TO_OPEN = "cannot open the L2 index"
 # What a start on a full disk logs where it starts L2 degraded by it.
 DEGRADED_AT_START = "L2 tier degraded: start: the disk of"
-# What a removal on a full disk logs where it gives index.reserve back (its size then).
-GAVE_BACK = re.compile(r"gave back the (\d+) KiB reserve")
+# What a removal on a full disk logs where it gives index.reserve back (its size then); a start
+# that gives it back for the index's open logs "to open the index" there instead.
+GAVE_BACK = re.compile(r"to commit a removal; gave back the (\d+) KiB reserve")
 # The full-disk series' filesystem; its L2 of 128 MiB holds every key of both tenants (68 MiB)
 # as the 256 MiB of the others do (an eviction would drop blocks answered persisted), and of
 # 192 MiB in a growth series, GROWTH_NAMESPACE's 32 MiB more.

@@ -1049,7 +1049,7 @@ class DiskTier:
                 fault = classify(e)
                 if fault.kind != "enospc":
                     raise
-                if self._give_back_reserve_at_open():
+                if self._give_back_reserve("open the index"):
                     continue
                 short = space_shortfall(
                     self.directory,
@@ -1067,22 +1067,6 @@ class DiskTier:
                     f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}) "
                     f"and no {RESERVE_NAME} is left to give back: {room}, then restart"
                 ) from e
-
-    def _give_back_reserve_at_open(self) -> bool:
-        """Unlink ``RESERVE_NAME`` for the index's open; False where there was none."""
-        path = self.directory / RESERVE_NAME
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return False
-        self._reserve_missing = True
-        fsync_dir(self.directory)  # ext4 hands freed blocks out once their free is committed
-        log.warning(
-            "L2: no room on the disk to open the index; gave back %s (writes commit again once "
-            "it is made, space back)",
-            path,
-        )
-        return True
 
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
@@ -1179,10 +1163,11 @@ class DiskTier:
         self._reserve_ready(what)
         return True
 
-    def _give_back_reserve(self) -> bool:
-        """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
-        or could not be unlinked (a fault the removal's steps then meet or not). Called
-        holding the index, which the removal holds until its rows are deleted."""
+    def _give_back_reserve(self, need: str = "commit a removal") -> bool:
+        """Unlink ``RESERVE_NAME`` so its blocks are free again for what ``need`` names (the
+        warning's words); False when it was missing, or could not be unlinked (a fault the
+        removal's steps, or the index's open, then meet or not). Called holding the index,
+        which the removal holds until its rows are deleted, or at the open, before it."""
         path = self.directory / RESERVE_NAME
         given = _allocated(path)  # grown past RESERVE_BYTES where the index's growth asked
         try:
@@ -1198,8 +1183,9 @@ class DiskTier:
         with contextlib.suppress(OSError):
             fsync_dir(self.directory)
         log.warning(
-            "L2: no room on the disk to commit a removal; gave back the %d KiB reserve "
-            "beside the index (writes commit again once it is made, space back)",
+            "L2: no room on the disk to %s; gave back the %d KiB reserve beside the index "
+            "(writes commit again once it is made, space back)",
+            need,
             given >> 10,
         )
         return True
