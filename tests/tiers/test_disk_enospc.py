@@ -818,8 +818,8 @@ def test_regression_a_wal_that_found_no_inode_to_be_made_again_left_the_index_cl
     (3f9d1c3: a full disk, which a commit ends): the old connection was closed before the
     new one failed, leaving the tier none. Once inodes were freed, every write failed as
     "the L2 index is closed", an I/O fault lasting until a restart, and every removal
-    failed. The old connection now stays open until the new one is made: the next write,
-    inodes back, opens it and commits, and a restart finds what it committed."""
+    failed. The connection is now opened again at its next use: the removal frees the
+    slots, the next write, inodes back, commits, and a restart finds what it committed."""
     tier, committed, outs = _wal_made_again_out_of_inodes(small_fs, make_block, enospc_retry_s=0.0)
     with tier:
         assert not any(o.ok for o in outs)
@@ -831,3 +831,36 @@ def test_regression_a_wal_that_found_no_inode_to_be_made_again_left_the_index_cl
         assert tier.remove([committed[0].slot])
     with DiskTier(small_fs / "l2", 16 * MiB, 1 * MiB) as again:
         assert {r.key for r in again.recover()} == {it.key for it in committed[1:] + later}
+
+
+def test_regression_a_wal_that_could_not_be_made_again_left_the_index_closed_for_good(
+    small_fs: Path, make_block: Block
+) -> None:
+    """The index's WAL removed while the tier runs, and no inode left to make it again: the
+    commit that checkpointed it closed the connection before opening the index again, and
+    that open failing (a full disk) left the index closed. The next commit, inodes freed,
+    raised "the L2 index is closed": the tier degraded_io until a restart, where a full disk
+    ends by itself. The connection is now opened again at its next use; the next commit
+    makes the WAL again and commits, the tier ok, and a restart finds those blocks."""
+    directory = small_fs / "l2"
+    with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0) as tier:
+        first = _allocate(tier, make_block, 0, 4)
+        assert all(o.ok for o in persist(tier, first))
+        index = directory / "index.sqlite3"
+        other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+        try:
+            other.execute("SELECT count(*) FROM meta").fetchall()
+            Path(f"{index}-wal").unlink()
+            inodes = _use_up_inodes(small_fs / "inodes")
+            assert not any(o.ok for o in persist(tier, _allocate(tier, make_block, 4, 8)))
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            shutil.rmtree(inodes)
+            later = _allocate(tier, make_block, 8, 12)
+            outs = persist(tier, later)
+        finally:
+            other.close()
+        assert all(o.ok for o in outs), tier.health()
+        assert tier.health().state is Health.OK
+        assert Path(f"{index}-wal").exists()
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in first + later}

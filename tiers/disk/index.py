@@ -305,6 +305,7 @@ class DiskIndex:
         self._clock = clock
         self._count: Callable[..., None] = count or _count_nothing
         self._unrestorable = ""  # why an index removed while open could not be written back
+        self._closed = False  # ``close`` was called
         # Namespace records whose commit failed (ns -> label; None: the record dropped, by
         # ``forget``): made by the next commit.
         self._unrecorded: dict[int, str | None] = {}
@@ -615,6 +616,7 @@ class DiskIndex:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.close()
                 self._db = None
+            self._closed = True
 
     def _file_ids(self) -> tuple[FileId, FileId]:
         """(device, inode) of the index file and of its WAL as their paths name them now."""
@@ -774,8 +776,16 @@ class DiskIndex:
     # ------------------------------------------------------------------ opening
 
     def _conn(self) -> sqlite3.Connection:
+        """The connection; opened again where ``_check_files`` closed it to start a new WAL
+        and its open failed (no room to make the WAL: ``IndexNoRoom``), which the next use
+        tries again (raising as that open does), so a full disk's fault ends once room is
+        back. Closed by ``close``, or with an index that could not be written back, it stays
+        closed."""
         if self._db is None:
-            raise sqlite3.ProgrammingError("the L2 index is closed")
+            if self._closed or self._unrestorable:
+                raise sqlite3.ProgrammingError("the L2 index is closed")
+            self._db = self._connect()
+            self._ids = self._file_ids()
         return self._db
 
     def _open(self) -> sqlite3.Connection | None:
