@@ -390,7 +390,7 @@ def test_corrupt_slot_is_a_counted_logged_miss_and_stays_quarantined(
 
 
 def test_regression_a_quarantine_outlived_the_data_file_recreated_under_it(
-    disk_dir: Path, make_block: Block
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Quarantined slots of a data file removed (recreated at the next open) stayed out of use
     for good: the tier had shrunk by their size with nothing left to hold them for."""
@@ -403,9 +403,12 @@ def test_regression_a_quarantine_outlived_the_data_file_recreated_under_it(
         assert _read(tier, {i: blocks[i] for i in bad}) == dict.fromkeys(bad)
         assert tier.stats().gauges["quarantined_slots"] == 2
     (disk_dir / "data-0001.bin").unlink()
-    for _ in range(2):  # the slot of the intact file stays held after a second restart too
-        with _open(disk_dir) as tier:
+    for n in range(2):  # the slot of the intact file stays held after a second restart too
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "kvtier.tiers.disk"), _open(disk_dir) as tier:
             tier.recover()
+            returned = "1 quarantined slot(s) lay in data files recreated at this open"
+            assert (returned in caplog.text) == (n == 0)
             assert tier.stats().gauges["quarantined_slots"] == 1
             assert tier.quarantined_bytes() == 65_536
             taken = set()

@@ -709,7 +709,11 @@ def test_regression_an_idle_tier_stayed_degraded_without_its_reserve_after_space
 
 @pytest.mark.parametrize("why", ["beyond_capacity", "file_recreated"])
 def test_regression_a_quarantined_slot_dropped_at_start_on_a_full_disk_failed_the_start(
-    small_fs: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch, why: str
+    small_fs: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    why: str,
 ) -> None:
     """A start that drops the quarantine rows of slots it does not hold (beyond a smaller
     capacity, or in a data file recreated at the open) on a full disk ended with the raw
@@ -717,7 +721,8 @@ def test_regression_a_quarantined_slot_dropped_at_start_on_a_full_disk_failed_th
     elsewhere at the start degrades L2. The start now goes on, degraded by the full disk,
     serving its blocks, the rows kept for a later start to drop; a slot of a recreated file
     stays held as its row says, until released (handed out, a block written there would be
-    taken for quarantined at the next start, and lost)."""
+    taken for quarantined at the next start, and lost), and the log no longer says it was
+    returned to service."""
     directory = small_fs / "l2"
     with DiskTier(directory, 16 * MiB, 1 * MiB, file_bytes=4 * MiB) as tier:
         items = _allocate(tier, make_block, 0, 8)
@@ -734,11 +739,15 @@ def test_regression_a_quarantined_slot_dropped_at_start_on_a_full_disk_failed_th
         real_drop(self, blocks, quarantine)
 
     monkeypatch.setattr(DiskIndex, "drop", drop_on_a_full_disk)
-    with DiskTier(directory, capacity, 1 * MiB, file_bytes=4 * MiB, enospc_retry_s=0.0) as tier:
+    with (
+        caplog.at_level(logging.WARNING, "kvtier.tiers.disk"),
+        DiskTier(directory, capacity, 1 * MiB, file_bytes=4 * MiB, enospc_retry_s=0.0) as tier,
+    ):
         assert tier.health().state is Health.DEGRADED_NOSPACE
         assert {r.key for r in tier.recover()} == {it.key for it in items}
         held = [q.slot for q in tier.quarantined()]
         assert held == ([] if why == "beyond_capacity" else [slot])
+    assert "returned to service" not in caplog.text
     monkeypatch.undo()
     (small_fs / "filler").unlink()
     with DiskTier(directory, capacity, 1 * MiB, file_bytes=4 * MiB) as tier:

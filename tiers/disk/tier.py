@@ -1996,12 +1996,6 @@ class DiskTier:
         renewed = np.zeros(len(rows), dtype=bool)
         for f, why in damaged.items():
             renewed |= (file == f) & (why != "short_file" or offset >= sizes[f])
-        if renewed.any():
-            log.warning(
-                "L2: %d quarantined slot(s) lay in data files recreated at this open; "
-                "returned to service",
-                int(renewed.sum()),
-            )
         ok = ~renewed
         ok[ok] = self.allocator.claim_many(slots[ok], nbytes[ok])
         if not ok.all():
@@ -2013,6 +2007,12 @@ class DiskTier:
                 # say: handed out, a block written there would be taken as quarantined then.
                 self.faults.fault(classify(e), "index delete")
                 ok[renewed] = self.allocator.claim_many(slots[renewed], nbytes[renewed])
+        if (returned := int((renewed & ~ok).sum())) > 0:
+            log.warning(
+                "L2: %d quarantined slot(s) lay in data files recreated at this open; "
+                "returned to service",
+                returned,
+            )
         self._quarantined = dict(zip(slots[ok].tolist(), nbytes[ok].tolist(), strict=True))
         self._quarantined_slot_bytes = int(self.allocator.slot_bytes_for(nbytes[ok]).sum())
 
