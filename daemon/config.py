@@ -1247,10 +1247,11 @@ def env_name(key: str) -> str:
 
 def env_overrides(environ: Mapping[str, str]) -> list[str]:
     """``section.key=value`` overrides from ``KVTIER_*`` variables. A variable under a
-    section's prefix (``KVTIER_TIERS_...``) that names no key, or a section's own
-    (``KVTIER_SERVER``), is an error saying what it names (``_env_hint``), as an unknown key
-    in the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
-    config."""
+    section's prefix (``KVTIER_TIERS_...``) that names no key, a section's own
+    (``KVTIER_SERVER``), or a top-level list's in another case or under its prefix
+    (``KVTIER_tenants``, ``KVTIER_TENANTS_0``) is an error saying what it names
+    (``_env_hint``), as an unknown key in the file is; other ``KVTIER_*`` variables
+    (``KVTIER_ADDRESS``, the client's) are not config."""
     names = {env_name(k): k for k in config_keys()}
     out = []
     for var, value in sorted(environ.items()):
