@@ -41,6 +41,7 @@ import grpc
 import numpy as np
 
 from kvtier.client.errors import (
+    DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
     KvtierError,
@@ -486,7 +487,8 @@ class TransferJob:
         self._timeout_s = timeout_s
         self._on_finish = on_finish
         self._cond = threading.Condition()
-        self._futures: dict[int, Any] = {}
+        # Per part in flight: its call's future, and the stub it was sent on.
+        self._futures: dict[int, tuple[Any, ChannelStub]] = {}
         # Per part: its time, shared by its sends while the daemon's gRPC refuses it unrun
         # (see ``_resend_later``).
         self._resends: dict[int, Resends] = {}
@@ -536,9 +538,11 @@ class TransferJob:
         """Stop waiting for the job; RPCs in flight are cancelled (see ``pages_reusable``)."""
         with self._cond:
             in_flight = self._plan.cancel()
-            futures = [self._futures.get(p.index) for p in in_flight]
+            calls = [self._futures[p.index] for p in in_flight if p.index in self._futures]
             self._cond.notify_all()
-        sent = [fut for fut in futures if fut is not None]
+        # Not those on a channel given up meanwhile: their cancel takes the lock an interrupt
+        # may have left held there, for good (``channel_given_up`` ends them).
+        sent = [fut for fut, stub in calls if stub is self._client.stub]
         try:
             for fut in sent:
                 fut.cancel()
@@ -640,7 +644,7 @@ class TransferJob:
             self._send_interrupted(part, stub)
             raise
         with self._cond:
-            self._futures[part.index] = fut
+            self._futures[part.index] = (fut, stub)
         try:
             # Under the call's lock, which the answer's delivery takes: guarded as the
             # call's start.
@@ -651,6 +655,43 @@ class TransferJob:
             self._client.interrupted(e, fut)
             self._send_interrupted(part, stub)
             raise
+
+    def channel_given_up(
+        self, stub: ChannelStub, keep: Callable[..., None], grace_s: float
+    ) -> None:
+        """Bound the wait of the parts in flight on ``stub``, whose channel the client gave up
+        after an interrupt (``Client._replace_if_suspect``), as a pinning Lookup's is: its
+        close ends them (``_on_done``), or their deadline does; but where the interrupt left
+        gRPC's lock held there, neither comes, and the job stayed RUNNING for good. Those
+        still unanswered ``grace_s`` past the last one's deadline fail then (``_unanswered``).
+        """
+        with self._cond:
+            sent = {i: fut for i, (fut, on) in self._futures.items() if on is stub}
+        if not sent:
+            return
+        wait_s = max(self._resends[i].left_s() for i in sent) + grace_s
+        timer = threading.Timer(wait_s, self._unanswered, args=(sent, keep, grace_s))
+        timer.daemon = True
+        timer.start()
+
+    def _unanswered(self, sent: dict[int, Any], keep: Callable[..., None], grace_s: float) -> None:
+        """End the parts of ``sent`` (their calls on a given-up channel) still unanswered, as
+        a deadline does (pages not reusable). Their calls go to ``keep`` first, which cancels
+        them on a thread of its own and holds them: a call's cancel, and its collection as
+        ``_ended`` drops it, take the lock an interrupt may have left held."""
+        with self._cond:
+            unanswered = {i: f for i, f in sent.items() if self._futures.get(i, (None,))[0] is f}
+        if not unanswered:
+            return
+        keep(*unanswered.values())
+        for index in unanswered:
+            part = self._plan.parts[index]
+            error = DeadlineExceededError(
+                f"{part.method}: no answer, nor gRPC's deadline, within {self._timeout_s}s "
+                f"and {grace_s}s more (its channel was given up with gRPC's lock held: see "
+                "Client.interrupted)"
+            )
+            self._ended(part, None, error)
 
     def _send_interrupted(self, part: Part, stub: ChannelStub) -> None:
         """End a part whose send an interrupt ended on this thread (the channel given up):

@@ -582,8 +582,8 @@ class Client:
         them: gRPC delivers no answer on that channel, not even its deadline, and those calls
         wait for ever inside gRPC, for that lock, with no timeout; but a pinning Lookup, made
         as a future, whose wait the client bounds itself (``ANSWER_GRACE_S`` past its
-        deadline). The mark comes
-        first: another interruption that lands before the channel is replaced leaves that to
+        deadline), and a transfer job's part, as well (``TransferJob.channel_given_up``).
+        The mark comes first: another interruption that lands before the channel is replaced leaves that to
         the client's next call. Once an ``error``: the guards of the calls that it passes
         through on its way out each note it, and a second replacement would only give up the
         new channel. ``calls``: the gRPC calls ``error`` ended, which the client would drop;
@@ -614,13 +614,14 @@ class Client:
         them, so the next OpenSession names that session (``given_up_sessions``), or
         ``close()`` does, and the daemon ends it then. The old channel's call slots are given
         up (``CallSlots.give_up``), once the new stub is the client's: the callers queued
-        there find their channel given up."""
+        there find their channel given up; and the transfer jobs' parts in flight there end
+        by their deadline, whatever the channel's lock (``TransferJob.channel_given_up``)."""
         if not self._held["suspect"]:
             return
         with self._lock:
             if not self._held["suspect"] or self._closed:
                 return
-            slots = self._stub.call_slots
+            stub = self._stub
             if self._session_id:
                 self._given_up.append(self._session_id)
             call, self._session_id, self._session_call = self._session_call, "", None
@@ -629,7 +630,12 @@ class Client:
             # the two has the old one handed over again, never dropped (see _ChannelCloser).
             _closer.discard(self._channel, call)
             self._connect()
-        slots.give_up()  # outside the lock: a job part's end takes it
+        # Outside the lock: a job part's end takes it.
+        stub.call_slots.give_up()
+        with self._jobs.lock:
+            jobs = list(self._jobs.jobs.values())
+        for job in jobs:
+            job.channel_given_up(stub, _closer.keep, ANSWER_GRACE_S)
 
     def __enter__(self) -> Client:
         return self

@@ -1223,3 +1223,43 @@ def test_threads_queued_for_a_slot_of_a_channel_given_up_are_not_sent_there(daem
         assert sent_on_given_up == []
         assert first.waiting == 0 and client.call_slots.held == 0
         assert client.check().leases == 0  # the lease went with the given-up session
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("then", ["wait", "cancel"])
+def test_regression_a_job_part_in_flight_on_a_hung_given_up_channel_never_ended(daemon, then):
+    """A job's part in flight on a channel that an interrupt gave up with gRPC's lock left
+    held there (a call that gets no answer, nor its deadline, stands for it) never ended:
+    the job stayed RUNNING, though README says its parts on the given-up channel fail, and
+    its ``cancel()`` cancelled the call, which takes that lock: the caller waited for good.
+    The part fails 2 s past its deadline (ANSWER_GRACE_S, as a pinning Lookup's wait), its
+    pages not reusable, its call cancelled on a thread of the client's own; a cancel
+    leaves that call to it."""
+    cancelled_on: list[str] = []
+
+    class NeverAnswered:
+        def add_done_callback(self, fn) -> None:
+            pass
+
+        def cancel(self) -> bool:
+            cancelled_on.append(threading.current_thread().name)
+            return True
+
+    def never_answered(request, **kwargs) -> NeverAnswered:
+        return NeverAnswered()
+
+    keys = keys_for(1, f"hung-{then}")
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.stub.Put = types.SimpleNamespace(future=never_answered)
+        job = client.submit_save(pool, [SaveSegment(keys, [0])], timeout_s=0.5)
+        client.interrupted(KeyboardInterrupt())  # another thread's, as one of its calls
+        if then == "cancel":
+            job.cancel()
+            assert cancelled_on == []
+            assert job.poll().state is JobState.CANCELLED
+        status = job.wait(timeout_s=10)
+        assert status.finished and not status.pages_reusable, status
+        if then == "wait":
+            assert isinstance(status.error, DeadlineExceededError), status.error
+            assert "gRPC's lock held" in str(status.error)
