@@ -1263,3 +1263,31 @@ def test_regression_a_job_part_in_flight_on_a_hung_given_up_channel_never_ended(
         if then == "wait":
             assert isinstance(status.error, DeadlineExceededError), status.error
             assert "gRPC's lock held" in str(status.error)
+
+
+@pytest.mark.timeout(30)
+def test_a_part_queued_behind_an_interrupted_call_of_a_client_closed_meanwhile_ends(daemon):
+    """A KeyboardInterrupt that ends one of the client's own calls after another thread's
+    close() (injected in a Lookup's RPC, a job's part queued for the one slot it holds) gives
+    no channel up (the client is closed), so the channel's slots stay counted: the slot is
+    freed after the mark (``Client.interrupted``'s ``holding``), and the part queued for it
+    fails as the client was closed. Kept taken, the part waited for good (the job RUNNING)."""
+    jobs: list = []
+
+    def interrupted_lookup(request, timeout):
+        jobs.append(client.submit_save(pool, [SaveSegment(keys_for(1, "closed-behind"), [0])]))
+        assert slots.waiting == 1  # the part, queued for this call's slot
+        client.close()  # another thread's, as the call runs
+        raise KeyboardInterrupt
+
+    with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        slots = client.call_slots
+        client.stub.Lookup = interrupted_lookup
+        with pytest.raises(KeyboardInterrupt):
+            client.lookup([KEY])
+        (job,) = jobs
+        status = job.wait(timeout_s=5)
+        assert status.finished and isinstance(status.error, errors.UnavailableError), status
+        assert "closed" in str(status.error)
+        assert client.call_slots is slots and slots.held == 0 and slots.waiting == 0
