@@ -449,7 +449,8 @@ def check_request(settle_s: float, list_limit: int = 0) -> pb.CheckRequest:
         raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
     return build_request(
         pb.CheckRequest,
-        settle_ms=int(min(settle_s, MAX_CHECK_SETTLE_S) * 1000),
+        # In floats: a NumPy integer's own type overflowed (np.int8(3) * 1000).
+        settle_ms=int(min(float(settle_s), MAX_CHECK_SETTLE_S) * 1000),
         list_limit=list_limit,
     )
 

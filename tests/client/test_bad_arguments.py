@@ -292,6 +292,16 @@ def test_a_check_settle_past_the_daemons_longest_wait_is_cut_to_it(settle_s):
     assert check_request(0.25).settle_ms == 250
 
 
+@pytest.mark.parametrize("settle_s", [np.int8(3), np.uint8(3), np.int16(40)])
+def test_regression_a_check_settle_given_as_a_small_numpy_integer_was_refused(settle_s):
+    """The wait was multiplied by 1000 in the caller's own type: ``check(settle_s=np.int8(3))``
+    raised NumPy's OverflowError (not a client error), and ``np.int16(40)`` wrapped to a
+    negative ``settle_ms`` that was refused for a field the caller never named."""
+    from kvtier.client.types import check_request
+
+    assert check_request(settle_s).settle_ms == int(settle_s) * 1000
+
+
 def test_the_clients_check_list_bound_is_the_daemons():
     """kvtier check --list refuses past the client's bound; the daemon cuts to its own."""
     from kvtier.client.types import MAX_CHECK_LIST
