@@ -340,9 +340,10 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     for value in fields.values():
         if value is None:
             raise _refused(message, fields, None)
+    # OverflowError: protobuf's answer to an int past C's long for a bool field (pin, durable).
     try:
         request = message(*args, **fields)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise _refused(message, fields, e) from None
     if "keys" in fields:
         keys: Any = fields["keys"]
@@ -483,6 +484,8 @@ def _field_problem(message: Any, name: str, value: object) -> str | None:
         return f"{name}: expected {type(default).__name__}, not {type(value).__name__}"
     except ValueError as e:
         return f"{name}: {_protobuf_text(e)}"
+    except OverflowError:  # in protobuf's words for an integer field's
+        return f"{name}: value out of range: {value!r}"
     return None
 
 

@@ -105,6 +105,11 @@ CASES: list[tuple[str, Call, str]] = [
     ("prefetch-none-priority", lambda c, p: c.prefetch([KEY], priority=None), r"^Prefetch: priority: expected int, not NoneType$"),
     ("delete-none-tenant", lambda c, p: c.delete([KEY], tenant=None), r"^Delete: tenant: expected str, not NoneType$"),
     ("drain-none-resume", lambda c, p: c.drain(resume=None), r"^Drain: resume: expected bool, not NoneType$"),
+    # a bool field given an int past C's long: protobuf's OverflowError, not a ValueError
+    ("lookup-huge-pin", lambda c, p: c.lookup([KEY], pin=2**64), r"^Lookup: pin: value out of range: 18446744073709551616$"),
+    ("put-huge-durable", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=-(2**70)), r"^Put: durable: value out of range: -1180591620717411303424$"),
+    ("submit-save-huge-durable", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2])], durable=2**64), r"^Put: durable: value out of range: 18446744073709551616$"),
+    ("drain-huge-resume", lambda c, p: c.drain(resume=2**64), r"^Drain: resume: value out of range: 18446744073709551616$"),
     ("unregister-none-pool", lambda c, p: c.unregister_pool(None), r"^UnregisterPool: pool_id: expected int, not NoneType$"),
     # keys the daemon refuses, refused before sending
     ("lookup-short-key", lambda c, p: c.lookup([KEY, b"x"]), r"^Lookup: keys: key 1 has 1 bytes; keys are 32 bytes$"),
