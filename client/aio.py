@@ -65,6 +65,7 @@ from kvtier.client.slots import (
 )
 from kvtier.client.sync import (
     _SESSION_METHODS,
+    ANSWER_GRACE_S,
     CHANNEL_OPTIONS,
     NAMESPACE_METHODS,
     SessionToken,
@@ -360,9 +361,12 @@ class AsyncClient:
             try:  # from the slot's taking on: an interrupt may land at any call
                 if not timed_wait:
                     resends = Resends(timeout_s)
+                # A pinning Lookup's caller waits its time only (``_pinning_lookup``).
+                pinning = type(request) is pb.LookupRequest and request.pin
+                grace_s = ANSWER_GRACE_S if pinning else 0.0
                 while True:
                     try:
-                        return await rpc(request, timeout=resends.left_s())
+                        return await rpc(request, timeout=resends.left_s() + grace_s)
                     except grpc.RpcError as e:
                         if not refused_stream(e) or (pause := resends.pause_s()) is None:
                             raise
@@ -418,28 +422,42 @@ class AsyncClient:
         call = self._invoke(method, request, binding if method in ("Put", "Get") else None)
         if method != "Lookup" or not request.pin:
             return await call
-        return await self._pinning_lookup(call)
+        return await self._pinning_lookup(call, self.timeout_s)
 
-    async def _pinning_lookup(self, call: Coroutine[Any, Any, Any]) -> Any:
+    async def _pinning_lookup(self, call: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
         """A pinning Lookup (a load's, or ``lookup(pin=True)``) that runs on to its answer
-        when the caller's task is cancelled, and whose lease is then released: the daemon
-        pins as it answers, and the lease id is only in the answer, so a cancel that came
-        after the daemon had answered left the blocks pinned until the lease expired
-        (``server.lease_default_ms``, or the call's ``lease_ms``)."""
+        when the caller's task is cancelled or its time (``timeout_s``) runs out, and whose
+        lease is then released: the daemon pins as it answers, and the lease id is only in
+        the answer, so a cancel that came after the daemon had answered left the blocks
+        pinned until the lease expired (``server.lease_default_ms``, or the call's
+        ``lease_ms``). Its gRPC deadline comes ``ANSWER_GRACE_S`` after its time
+        (``_until_run``): with one deadline at both ends, gRPC dropped an answer the daemon
+        sent in time that reached the client late, its lease pinned likewise."""
         task = asyncio.ensure_future(call)
         try:
-            return await asyncio.shield(task)
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except TimeoutError:
+            self._release_when_answered(task)
+            raise DeadlineExceededError(
+                f"Lookup: no answer within {timeout_s:.3g}s; the call runs on "
+                f"{ANSWER_GRACE_S:g}s more, and the lease of an answer that comes is released"
+            ) from None
         except asyncio.CancelledError:
             if task.done():
                 self._release_pinned(task)
             else:
-                self._unanswered.add(task)  # close() cancels it: the session frees its pins
-                task.add_done_callback(self._unanswered.discard)
-                task.add_done_callback(self._release_pinned)
+                self._release_when_answered(task)
             raise
 
+    def _release_when_answered(self, lookup: asyncio.Task[Any]) -> None:
+        """Release the lease of pinning Lookup ``lookup`` once it is answered."""
+        self._unanswered.add(lookup)  # close() cancels it: the session frees its pins
+        lookup.add_done_callback(self._unanswered.discard)
+        lookup.add_done_callback(self._release_pinned)
+
     def _release_pinned(self, lookup: asyncio.Task[Any]) -> None:
-        """Release the lease of a pinning Lookup whose caller was cancelled meanwhile."""
+        """Release the lease of a pinning Lookup whose caller was cancelled meanwhile, or
+        whose time ran out."""
         if lookup.cancelled() or lookup.exception() is not None:
             return
         if lease_id := lookup.result().lease_id:
@@ -598,7 +616,8 @@ class AsyncClient:
         )
         timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
         call = self._invoke("Lookup", req, timeout_s=timeout_s)
-        answer = await (self._pinning_lookup(call) if req.pin else call)
+        timeout_s = timeout_s or self.timeout_s
+        answer = await (self._pinning_lookup(call, timeout_s) if req.pin else call)
         try:
             return t.lookup_result(answer)
         except BaseException:  # a signal handler's KeyboardInterrupt

@@ -124,11 +124,19 @@ _SESSION_METHODS = frozenset(
 # which the daemon may have run, is sent again (see ``cut_off_error``). A RegisterPool is
 # made again by ``_register``: a memfd's ticket is spent by the first run.
 _RESENT_AFTER_CUT_OFF = frozenset({"Lookup", "Get", "Stats", "Check"})
-# How long past a call's deadline the client waits for gRPC to deliver it, where the client
-# waits on a future (a pinning Lookup): past that, the channel's lock is held for good.
+# How much later than its caller's time a pinning Lookup's gRPC deadline is (both clients):
+# the caller's wait ends at its time, and the call runs on for this long, so that an answer
+# that comes late (on its way, or waiting for a busy client's thread) is taken in and its
+# lease released, not dropped by gRPC with the blocks pinned until the lease expired.
 ANSWER_GRACE_S = 2.0
 # Requests that carry a namespace; the driver fills in the client's for the flows' requests.
 NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Evict"})
+
+
+class _RunsOn(Exception):
+    """A call whose caller's time ran out, left to run on to its end, which frees its call
+    slot (a pinning Lookup: ``Client._pinning_lookup``); DeadlineExceededError to the
+    caller."""
 
 
 def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] | None) -> bytes:
@@ -581,12 +589,12 @@ class Client:
         ``cut_off_error``. Where the interruption left the channel's lock held, nothing ends
         them: gRPC delivers no answer on that channel, not even its deadline, and those calls
         wait for ever inside gRPC, for that lock, with no timeout; but a pinning Lookup, made
-        as a future, whose wait the client bounds itself (``ANSWER_GRACE_S`` past its
-        deadline), and a transfer job's part, as well (``TransferJob.channel_given_up``).
-        The mark comes first: another interruption that lands before the channel is replaced leaves that to
-        the client's next call. Once an ``error``: the guards of the calls that it passes
-        through on its way out each note it, and a second replacement would only give up the
-        new channel. ``calls``: the gRPC calls ``error`` ended, which the client would drop;
+        as a future, whose wait the client bounds itself (its time), and a transfer job's
+        part (``ANSWER_GRACE_S`` past its deadline: ``TransferJob.channel_given_up``). The
+        mark comes first: another interruption that lands before the channel is replaced
+        leaves that to the client's next call. Once an ``error``: the guards of the calls that
+        it passes through on its way out each note it, and a second replacement would only
+        give up the new channel. ``calls``: the gRPC calls ``error`` ended, which the client would drop;
         cancelled on a thread of their own instead, and kept until that ends (see
         ``_ChannelCloser``). The generator contexts that ``error`` entered but left before
         their ``with`` began are ended here, on the thread that entered them
@@ -884,31 +892,46 @@ class Client:
         stub = self._stub
         rpc = getattr(stub, method)
         if method == "Lookup" and request.pin:
-            rpc = functools.partial(self._pinning_lookup, rpc)
+            rpc = functools.partial(self._pinning_lookup, rpc, stub.call_slots)
         return self._until_run(rpc, request, timeout_s, stub.call_slots)
 
-    def _pinning_lookup(self, rpc: Any, request: Any, timeout: float) -> Any:
+    def _pinning_lookup(self, rpc: Any, slots: CallSlots, request: Any, timeout: float) -> Any:
         """A pinning Lookup, made as a future so that the call a KeyboardInterrupt ends in
         the wait for its answer is the client's to keep (``interrupted``): the daemon pins
         as it answers, and the lease id is only in the answer, so the interrupted call's
         lease is freed by its session's end, which giving the channel up brings (as
-        close() does), not by a Release."""
-        fut = rpc.future(request, timeout=timeout)
+        close() does), not by a Release. Its wait ends at ``timeout``, but its gRPC deadline
+        comes ``ANSWER_GRACE_S`` later: an answer that comes after the caller's time has its
+        lease released, and the call keeps its slot of ``slots`` until then (``_late``).
+        The daemon releases the lease of a Lookup whose deadline passed before it ran, but
+        with one deadline at both ends gRPC dropped an answer sent in time that reached the
+        client late, its blocks pinned until the lease expired. A channel whose gRPC lock an
+        interruption left held delivers neither."""
+        fut = rpc.future(request, timeout=timeout + ANSWER_GRACE_S)
         try:
-            # Bounded here too: gRPC delivers the deadline, as any answer, under the channel's
-            # lock, which another thread's interruption may have left held for good.
-            return fut.result(timeout=timeout + ANSWER_GRACE_S)
+            return fut.result(timeout=timeout)
         except grpc.RpcError:
             raise
         except grpc.FutureTimeoutError:
-            _closer.keep(fut)  # its cancel takes that lock: on a thread of its own
-            raise DeadlineExceededError(
-                f"Lookup: no answer, nor gRPC's deadline, within {timeout + ANSWER_GRACE_S:.1f}s "
-                "(its channel was given up with gRPC's lock held: see Client.interrupted)"
+            # Also keeps the call from being cancelled when ``fut`` is collected.
+            fut.add_done_callback(functools.partial(self._late, slots))
+            raise _RunsOn(
+                f"Lookup: no answer within {timeout:.3g}s; the call runs on "
+                f"{ANSWER_GRACE_S:g}s more, and the lease of an answer that comes is released"
             ) from None
         except BaseException as e:
             self.interrupted(e, fut)
             raise
+
+    def _late(self, slots: CallSlots, lookup: Any) -> None:
+        """The end of a pinning Lookup whose caller's time ran out (``_pinning_lookup``): its
+        answer's lease released (without waiting), its slot freed. On gRPC's thread (or the
+        caller's, where it ended as its caller's wait did)."""
+        try:
+            if not lookup.cancelled() and lookup.exception() is None:
+                release_unclaimed(lookup.result(), self._release_nowait)
+        finally:
+            slots.release()
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float, slots: CallSlots) -> Any:
         """``rpc(request)`` in one of its channel's call ``slots``, waited for within the call's
@@ -935,6 +958,8 @@ class Client:
                         if not refused_stream(e) or (pause := resends.pause_s()) is None:
                             raise
                     time.sleep(pause)
+            except _RunsOn as e:  # its slot is freed as the call ends
+                raise DeadlineExceededError(str(e)) from None
             except Exception:
                 slots.release()
                 raise

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 import races
@@ -26,6 +27,8 @@ from kvtier.client import (
     SharedMemoryPool,
     Tier,
 )
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
 
@@ -222,7 +225,9 @@ def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_ke
     took, and its blocks stayed pinned until the lease expired (30 s by default), counted
     against the session's and tenant's lease limits: a client retrying on its timeout piled
     up a lease a try. Now such a lease is released at once, as a RegisterPool whose client
-    left unregisters its pool."""
+    left unregisters its pool: by the daemon where the call's deadline passed first (a bare
+    gRPC call here), by the client where the answer came within the call's gRPC deadline,
+    which ``ANSWER_GRACE_S`` puts past the caller's time (the client's calls)."""
     # The probe's deadline past the clients' 0.5 s, as node()'s 3 s is, but not by seconds
     # that each Lookup waits out: the daemon reads the call's deadline on its own clock.
     a = node(
@@ -235,15 +240,20 @@ def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_ke
         looked_up = client.stats().counters.get("lookup_keys", 0)
         fresh_redis.pause()
         try:
+            bare = pb_grpc.KVTierStub(grpc.insecure_channel(a.address)).Lookup
+            request = pb.LookupRequest(session_id=client.session_id, keys=chain, pin=True)
             for _ in range(3):
                 with pytest.raises(DeadlineExceededError):
                     client.lookup(chain, pin=True, timeout_s=0.5)
+                with pytest.raises(grpc.RpcError) as e:
+                    bare(request, timeout=0.5)
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             # The Lookups run on to their end (the probe's deadline) without their client.
-            wait_for(lambda: client.stats().counters.get("lookup_keys", 0) == looked_up + 12)
+            wait_for(lambda: client.stats().counters.get("lookup_keys", 0) == looked_up + 24)
         finally:
             fresh_redis.resume()
-        gauges = client.stats().gauges
-        assert gauges["leases"] == 0 and gauges["blocks_pinned"] == 0
+        wait_for(lambda: client.stats().gauges["leases"] == 0)  # the client's Releases
+        assert client.stats().gauges["blocks_pinned"] == 0
         assert client.check().problems == []
         assert client.lookup(chain, pin=True).lease_id  # a client that waits gets its lease
 
