@@ -11,6 +11,8 @@ import os
 import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -2627,6 +2629,69 @@ def test_regression_a_delete_after_a_wal_removed_while_open_loses_no_committed_b
         assert len(again.recover()) == 9
         got = _read(again, blocks)
         assert all(got[i] == blocks[i][2] for i in blocks)
+
+
+# Another process's writer: takes the index's write lock, says so, holds it until told
+# (or until its stdin closes with the test), then commits.
+_OTHER_WRITER = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+db.execute("INSERT OR REPLACE INTO namespaces VALUES (7, 'other')")
+print("holding", flush=True)
+sys.stdin.readline()
+db.execute("COMMIT")
+"""
+
+
+def test_regression_a_wal_and_shm_removed_while_open_left_the_tier_blind_to_other_processes_locks(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """index.sqlite3-wal and -shm removed while the tier ran: the reopen made its new
+    connection while the old one was open (a32cb71), and SQLite hands a process's second
+    connection to a file the shared memory its first one maps, here the removed -shm, which
+    no other process opens. Another process's writer then held the write lock in the -shm
+    its path names, and the tier committed beside it: the index failed its integrity check
+    (rows with NULL columns, blocks lost). The old connection is now closed before the new
+    one opens, which maps the -shm its path names: the tier's commit waits for that lock."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir, enospc_retry_s=0.0)
+    try:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        _unlink_wal(disk_dir)
+        after = _persist(tier, make_block, list(range(5, 10)), 4096)  # the reopen
+        other = subprocess.Popen(
+            [sys.executable, "-c", _OTHER_WRITER, str(disk_dir / "index.sqlite3")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert other.stdout is not None and other.stdin is not None
+            assert other.stdout.readline().strip() == "holding"
+            items = _items(tier, make_block, [10], 4096)
+            assert not persist(tier, items)[0].ok
+            assert tier.health().state == Health.DEGRADED_IO
+            assert tier.remove([it.slot for it in items])
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.wait(timeout=30) == 0
+        finally:
+            if other.poll() is None:
+                other.kill()
+                other.wait()
+        later = _persist(tier, make_block, list(range(11, 15)), 4096)
+        assert tier.health().state == Health.OK
+    finally:
+        tier.close()
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        assert db.execute("SELECT label FROM namespaces WHERE ns = 7").fetchall() == [("other",)]
+    finally:
+        db.close()
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {b[0] for b in {**before, **after, **later}.values()}
 
 
 def test_regression_an_index_that_cannot_be_checked_fails_the_commit_not_the_writer(
