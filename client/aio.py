@@ -80,6 +80,12 @@ from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
 session_log = logging.getLogger(credentials.SESSION_LOGGER)
+# What passes through a call and is no interrupt: the call's own error (an Exception), a
+# cancel (of the caller's task, or by close()), the close of a dropped task's coroutine. Any
+# other BaseException (a KeyboardInterrupt, a SystemExit, whatever else a signal's handler
+# raised in the loop) is one: it may land anywhere in the call, gRPC's code and the client's
+# release of the call's slot included (see ``_until_run``, ``_settle_pinned``).
+NOT_INTERRUPTS = (Exception, asyncio.CancelledError, GeneratorExit)
 
 
 class AsyncClient:
@@ -373,7 +379,7 @@ class AsyncClient:
                     await asyncio.sleep(pause)
             finally:
                 slots.release()
-        except (Exception, asyncio.CancelledError, GeneratorExit):
+        except NOT_INTERRUPTS:
             raise  # a cancel, or the close of a task's coroutine dropped, is never inside release
         except BaseException:
             # What a signal's handler raised (a KeyboardInterrupt under a loop run without
@@ -422,46 +428,78 @@ class AsyncClient:
         call = self._invoke(method, request, binding if method in ("Put", "Get") else None)
         if method != "Lookup" or not request.pin:
             return await call
-        return await self._pinning_lookup(call, self.timeout_s)
+        return await self._pinning_lookup(call, request, self.timeout_s)
 
-    async def _pinning_lookup(self, call: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
-        """A pinning Lookup (a load's, or ``lookup(pin=True)``) that runs on to its answer
-        when the caller's task is cancelled or its time (``timeout_s``) runs out, and whose
-        lease is then released: the daemon pins as it answers, and the lease id is only in
-        the answer, so a cancel that came after the daemon had answered left the blocks
-        pinned until the lease expired (``server.lease_default_ms``, or the call's
-        ``lease_ms``). Its gRPC deadline comes ``ANSWER_GRACE_S`` after its time
-        (``_until_run``): with one deadline at both ends, gRPC dropped an answer the daemon
-        sent in time that reached the client late, its lease pinned likewise."""
+    async def _pinning_lookup(
+        self, call: Coroutine[Any, Any, Any], request: pb.LookupRequest, timeout_s: float
+    ) -> Any:
+        """A pinning Lookup (a load's, or ``lookup(pin=True)``: ``call``, sending ``request``)
+        that runs on to its answer when the caller's task is cancelled (or interrupted) or its
+        time (``timeout_s``) runs out, and whose lease is then released: the daemon pins as
+        it answers, and the lease id is only in the answer, so a cancel that came after the
+        daemon had answered left the blocks pinned until the lease expired
+        (``server.lease_default_ms``, or the call's ``lease_ms``). Its gRPC deadline comes
+        ``ANSWER_GRACE_S`` after its time (``_until_run``): with one deadline at both ends,
+        gRPC dropped an answer the daemon sent in time that reached the client late, its
+        lease pinned likewise. One whose call an interrupt ended, its answer unread, gives
+        its session up (see ``_settle_pinned``)."""
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except TimeoutError:
-            self._release_when_answered(task)
+            self._settle_when_answered(request, task)
             raise DeadlineExceededError(
                 f"Lookup: no answer within {timeout_s:.3g}s; the call runs on "
                 f"{ANSWER_GRACE_S:g}s more, and the lease of an answer that comes is released"
             ) from None
-        except asyncio.CancelledError:
+        except BaseException:  # the call's own error, or the caller's cancel, or an interrupt
             if task.done():
-                self._release_pinned(task)
+                self._settle_pinned(request, task)
             else:
-                self._release_when_answered(task)
+                self._settle_when_answered(request, task)
             raise
 
-    def _release_when_answered(self, lookup: asyncio.Task[Any]) -> None:
-        """Release the lease of pinning Lookup ``lookup`` once it is answered."""
+    def _settle_when_answered(self, request: pb.LookupRequest, lookup: asyncio.Task[Any]) -> None:
+        """Settle pinning Lookup ``lookup`` (``_settle_pinned``) once it is answered."""
         self._unanswered.add(lookup)  # close() cancels it: the session frees its pins
         lookup.add_done_callback(self._unanswered.discard)
-        lookup.add_done_callback(self._release_pinned)
+        lookup.add_done_callback(functools.partial(self._settle_pinned, request))
 
-    def _release_pinned(self, lookup: asyncio.Task[Any]) -> None:
-        """Release the lease of a pinning Lookup whose caller was cancelled meanwhile, or
-        whose time ran out."""
-        if lookup.cancelled() or lookup.exception() is not None:
+    def _settle_pinned(self, request: pb.LookupRequest, lookup: asyncio.Task[Any]) -> None:
+        """Free what a pinning Lookup whose answer its caller will not read pinned: its lease,
+        released, if it was answered (the caller cancelled, or its time ran out); its session,
+        given up (``_give_up_session``), if an interrupt (not ``NOT_INTERRUPTS``) ended its
+        call. That one may have landed inside gRPC's call as it took the answer in, or as the
+        call's slot was freed, once the daemon had pinned: the lease id was lost with the
+        answer, and the blocks stayed pinned until the lease expired, in the session the
+        client kept."""
+        if lookup.cancelled():
             return
-        if lease_id := lookup.result().lease_id:
-            self._send_release(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
+        if (error := lookup.exception()) is None:
+            if lease_id := lookup.result().lease_id:
+                self._send_release(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
+        elif not isinstance(error, NOT_INTERRUPTS):
+            self._give_up_session(request.session_id)
+
+    def _give_up_session(self, session_id: str) -> None:
+        """Give ``session_id`` up, if it is still the client's, as the blocking client gives
+        up its channel's (``Client.interrupted``): the daemon ends the session once its
+        stream's cancel reaches it, freeing its leases, pins and pools, and the next call
+        opens another and registers the pools again there. The channel is kept (gRPC's aio
+        channel is not left hung by an interrupt, and its call slots are given up by
+        ``_until_run``). The calls that already name that session (queued for a slot, say)
+        are answered that it is gone (``session_gone``) and sent again in the new one by
+        ``_invoke`` (one the daemon runs before it ends the session is answered there), but
+        a Release, whose lease went with the session (NotFoundError), and a transfer job's
+        part (its job fails). Not a coroutine: nothing awaits on an interrupt's way out."""
+        if not session_id or session_id != self._session_id:
+            return  # ended already, and its leases with it
+        call, watcher = self._session_call, self._session_task
+        self._session_id, self._session_call, self._session_task = "", None, None
+        call.cancel()
+        if watcher is not None:  # held until it sees the cancel (the loop holds no task)
+            self._unanswered.add(watcher)
+            watcher.add_done_callback(self._unanswered.discard)
 
     def _abandon(self, flow: Flow) -> None:
         """See ``Client._abandon``: a load whose task was cancelled (``asyncio.wait_for``)
@@ -617,7 +655,7 @@ class AsyncClient:
         timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
         call = self._invoke("Lookup", req, timeout_s=timeout_s)
         timeout_s = timeout_s or self.timeout_s
-        answer = await (self._pinning_lookup(call, timeout_s) if req.pin else call)
+        answer = await (self._pinning_lookup(call, req, timeout_s) if req.pin else call)
         try:
             return t.lookup_result(answer)
         except BaseException:  # a signal handler's KeyboardInterrupt

@@ -26,9 +26,13 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from grpc import _common as grpc_common
+from grpc.aio import _call as grpc_aio_call
 
 from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool, flows
 from kvtier.client import types as client_types
+from kvtier.client.aio import AsyncRegisteredPool
+from kvtier.client.slots import AsyncCallSlots
 
 NS = Namespace(model="abandoned-loads", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -278,18 +282,32 @@ def test_regression_an_async_pinning_lookup_cancelled_after_its_answer_releases_
     asyncio.run(main())
 
 
-def at_entry(code: Any, nth: int) -> Any:
-    """A trace that raises a KeyboardInterrupt as the frame of ``code`` is entered (a
-    generator resumed included) for the ``nth`` time: where a signal's handler raises at the
-    first check of a function or generator that the interpreter makes."""
+async def stored_pool(
+    client: AsyncClient, shm: SharedMemoryPool
+) -> tuple[AsyncRegisteredPool, str, list[bytes]]:
+    """A pool of ``client``'s on ``shm`` that holds the blocks of TOKENS, the client's
+    session, and the blocks' keys."""
+    pool = await client.register_pool(shm, LAYOUT, NS)
+    assert await pool.store(TOKENS, [0, 1]) == 8
+    return pool, await client.session(), pool.binding.keys(TOKENS)
+
+
+def at_entry(
+    code: Any, nth: int, error: type[BaseException] = KeyboardInterrupt, caller: Any = None
+) -> Any:
+    """A trace that raises ``error`` as the frame of ``code`` (called from ``caller``'s, if
+    given) is entered (a generator resumed included) for the ``nth`` time: where a signal's
+    handler raises at the first check of a function or generator that the interpreter makes."""
     entries: list[Any] = []
 
     def trace(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is code:
+            if caller is not None and frame.f_back.f_code is not caller:
+                return
             entries.append(frame)
             if len(entries) == nth:
                 sys.settrace(None)
-                raise KeyboardInterrupt
+                raise error
 
     return trace
 
@@ -335,6 +353,10 @@ def interrupt_at(where: str, drive: Any) -> Any:
         # by a hostile client interrupting loads at random): the flow ended, not suspended.
         "release-begun": lambda: at_entry(flows.release_flow.__code__, 1),
         "lookup-result": lambda: at_entry(client_types.lookup_result.__code__, 1),
+        # AsyncClient's pinning Lookup made its call's task, not yet awaited (its shield).
+        "lookup-task-made": lambda: at_entry(
+            asyncio.shield.__code__, 1, caller=AsyncClient._pinning_lookup.__code__
+        ),
     }[where]()
 
 
@@ -378,7 +400,14 @@ def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_i
 
 
 @pytest.mark.parametrize(
-    "where", ["flow-advanced", "flow-advanced-to-release", "release-begun", "lookup-result"]
+    "where",
+    [
+        "flow-advanced",
+        "flow-advanced-to-release",
+        "release-begun",
+        "lookup-result",
+        "lookup-task-made",
+    ],
 )
 def test_regression_an_interrupt_as_an_async_pinning_lookups_answer_was_taken_in_kept_its_pin(
     daemon, where
@@ -387,15 +416,22 @@ def test_regression_an_interrupt_as_an_async_pinning_lookups_answer_was_taken_in
     handler raises in the loop (a loop run without ``asyncio.run``'s handler, as a notebook
     runs one, or a second Ctrl-C under it) as the load's flow comes back with its next call,
     or as ``lookup`` makes its result, left the lease pinning the blocks until it expired in
-    a session the client kept (caught here, as a notebook's kernel does)."""
+    a session the client kept (caught here, as a notebook's kernel does). So did one that
+    came once the load's pinning Lookup had its task, before it awaited it (lookup-task-made):
+    the Lookup ran on, and only a cancel had its lease released."""
 
     async def main() -> None:
         async with AsyncClient(daemon.address) as client:
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
-                pool = await client.register_pool(shm, LAYOUT, NS)
-                assert await pool.store(TOKENS, [0, 1]) == 8
-                session = await client.session()
-                keys = pool.binding.keys(TOKENS)
+                pool, session, keys = await stored_pool(client, shm)
+                lookup, answered = client._stub.Lookup, asyncio.Event()
+
+                async def answering(request: Any, **kwargs: Any) -> Any:
+                    answer = await lookup(request, **kwargs)
+                    answered.set()  # pinned: the leases counted below include its lease
+                    return answer
+
+                client._stub.Lookup = answering
                 sys.settrace(interrupt_at(where, AsyncClient._drive))
                 try:
                     with pytest.raises(KeyboardInterrupt):
@@ -405,11 +441,91 @@ def test_regression_an_interrupt_as_an_async_pinning_lookups_answer_was_taken_in
                             await pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
                 finally:
                     sys.settrace(None)
+                await answered.wait()
                 deadline = time.monotonic() + 30  # a bound on the wait, not a timing
                 while (await client.stats()).gauges["leases"] and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
                 assert (await client.stats()).gauges["leases"] == 0
                 assert await client.session() == session
+                assert await pool.load(TOKENS, [2, 3]) == 8
+
+    asyncio.run(main())
+
+
+class SignalHandlerError(BaseException):
+    """What a signal's handler raises in an asyncio loop: a task ends with it, where a
+    KeyboardInterrupt goes on out of the loop, which pytest's process does not outlive."""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("call", ["lookup", "load"])
+@pytest.mark.parametrize("at", ["grpc-answer", "slot-release"])
+def test_regression_an_interrupt_inside_an_async_pinning_lookups_call_kept_its_pin(
+    daemon, at, call
+):
+    """An exception that a signal's handler raises in the loop inside a pinning Lookup's
+    gRPC call once the daemon has answered (pinning as it answers): as gRPC's aio call takes
+    the answer in (grpc-answer), or as the client frees the call's slot (slot-release);
+    injected at the entry of the function called there, where the interpreter checks for
+    signals (found by a fuzz of random SIGALRMs, its tracebacks ending in gRPC's call end).
+    The answer, which alone held the lease id, was lost with the call's task, and the client
+    kept its session: the blocks stayed pinned until the lease expired (600 s here). The
+    client now gives that session up, whose end frees the lease; the call queued behind the
+    Lookup (max_calls_open=1) is answered, and the pool is registered again in the new
+    session."""
+    landed: list[bool] = []
+    trace = {
+        "grpc-answer": lambda: at_entry(
+            grpc_common.deserialize.__code__,
+            1,
+            SignalHandlerError,
+            grpc_aio_call.UnaryUnaryCall._invoke.__code__,
+        ),
+        "slot-release": lambda: at_entry(
+            AsyncCallSlots.release.__code__, 1, SignalHandlerError, AsyncClient._until_run.__code__
+        ),
+    }[at]()
+
+    def landing(frame: FrameType, event: str, arg: Any) -> Any:
+        try:
+            return trace(frame, event, arg)
+        except SignalHandlerError:
+            landed.append(True)
+            raise
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address, max_calls_open=1) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool, session, keys = await stored_pool(client, shm)
+                lookup, go_on = client._stub.Lookup, asyncio.Event()
+
+                async def held(request: Any, **kwargs: Any) -> Any:
+                    await go_on.wait()  # holds the call's slot, so that the next queues
+                    return await lookup(request, **kwargs)
+
+                client._stub.Lookup = held
+                if call == "lookup":
+                    pinning = client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                else:
+                    pinning = pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
+                interrupted = asyncio.create_task(pinning)
+                while client._slots.held < 1:
+                    await asyncio.sleep(0.01)
+                queued = asyncio.create_task(client.lookup(keys))
+                while client._slots.waiting < 1:
+                    await asyncio.sleep(0.01)
+                sys.settrace(landing)
+                try:
+                    go_on.set()
+                    with pytest.raises(SignalHandlerError):
+                        await interrupted
+                finally:
+                    sys.settrace(None)
+                assert landed
+                assert (await queued).prefix_len == 2
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                assert (await client.stats()).gauges["blocks_pinned"] == 0
+                assert await client.session() != session
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
