@@ -2820,6 +2820,35 @@ def test_regression_a_namespace_forget_on_a_locked_index_waited_out_the_busy_tim
         assert tier.health().state == Health.OK
 
 
+def test_regression_a_namespace_drop_kept_on_a_tier_that_commits_no_block_was_lost_at_close(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A namespace record or drop whose commit failed is kept for the next commit of block
+    rows, but the watch's try that ends the fault (``_retry_commit``) committed one page
+    without them: on a tier that commits no block (a node that only reads L2) they stayed in
+    memory, and were lost at close, the dropped namespace bound to its tenant again at the
+    next start. The try now commits them."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir, enospc_retry_s=0.05, index_watch_s=0.02)
+    try:
+        tier.remember_namespace(1, "alice")
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            tier.forget_namespaces([1])
+            tier.remember_namespace(2, "bob")
+            assert tier.health().state is not Health.OK
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        _wait_for(lambda: tier.health().state == Health.OK)
+        assert tier.namespaces() == {2: "bob"}
+    finally:
+        tier.close()
+    with _open(disk_dir) as tier:
+        assert tier.namespaces() == {2: "bob"}
+
+
 def test_regression_a_watch_check_held_up_by_a_reader_does_not_hold_the_index_for_the_busy_timeout(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

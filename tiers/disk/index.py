@@ -512,17 +512,27 @@ class DiskIndex:
         with self._lock, contextlib.suppress(sqlite3.Error), _no_busy_wait(self._conn()) as db:
             db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
 
-    def probe(self) -> None:
+    def probe(self, room: Room | None = None) -> bool:
         """Commit a transaction that writes one page (the header's ``user_version``, set to
-        what it holds), synced as every commit is, not waiting for a lock another process
-        holds, nor for its reader holding up the checkpoint of a removed WAL: whether the
-        index takes commits again (a full disk freed, a lock let go). Raises what the commit
-        raised."""
+        what it holds), and the namespace records and drops kept since their commit failed
+        (``remember``, ``forget``: a tier that commits no block would keep them till closed),
+        synced as every commit is, not waiting for a lock another process holds, nor for its
+        reader holding up the checkpoint of a removed WAL: whether the index takes commits
+        again (a full disk freed, a lock let go). ``room`` as for ``transaction``: False
+        where it refused the commit. Raises what the commit raised."""
         with self._lock:
             db = self._checked_conn(wait_busy=False)
-            with _no_busy_wait(db), _immediate(db):
-                db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
+            try:
+                with _no_busy_wait(db), _immediate(db):
+                    db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
+                    self._record_names(db)
+                    if room is not None and not room():
+                        raise _NoRoom
+            except _NoRoom:
+                return False
             self._check_files(db, wait_busy=False)
+            self._unrecorded.clear()
+        return True
 
     def growth_bytes(self) -> int:
         """The bytes of pages the WAL holds past the index file's end (in a write transaction,

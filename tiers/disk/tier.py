@@ -1863,16 +1863,15 @@ class DiskTier:
     def _retry_commit(self) -> None:
         """Find out whether a full disk or a lock has cleared on a tier that gets no write to
         let through (an idle or read-only node, whose tier stayed degraded, and without its
-        reserve, after space came back): make the reserve where it is missing, then commit one
-        page (``DiskIndex.probe``), holding the index as a write's commit does; its commit
+        reserve, after space came back): commit one page and the namespace records kept
+        (``DiskIndex.probe``), the reserve made where it is missing and grown for the index's
+        growth in the transaction, as a write's commit does (``_reserve_ready``); its commit
         ends the fault as a write's does. Where the reserve still does not fit, or the commit
         fails, the tier stays degraded (counted as a batch let through is)."""
         index = self._idx()
         try:
-            with index.held():
-                if not self._reserve_ready("index retry"):
-                    return
-                index.probe()
+            if not index.probe(room=functools.partial(self._reserve_ready, "index retry")):
+                return
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index retry")
             return
