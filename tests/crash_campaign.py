@@ -312,9 +312,20 @@ class Model:
             )
 
     def check_block(
-        self, tenant: str, ns: str, i: int, head: bytes, is_whole: bool, where: str
+        self,
+        tenant: str,
+        ns: str,
+        i: int,
+        head: bytes,
+        is_whole: bool,
+        where: str,
+        *,
+        restarted: bool = False,
     ) -> str | None:
-        """The version a block read holds, after checking it may be there (None: a problem)."""
+        """The version a block read holds, after checking it may be there (None: a problem).
+        A block deleted where slots were not freed may be back only after a restart (its row
+        read again from the index): a client's read of it in the life its Delete was answered
+        in is a problem."""
         k = self.keys.setdefault((tenant, ns, i), KeyState())
         who = self.tags.get(head)
         if who is None or not is_whole:
@@ -323,7 +334,7 @@ class Model:
         if who[:3] != (tenant, ns, i):
             self.problems.append(f"{where}: {tenant}/{ns}/{i} read the block of {who}")
             return None
-        if who[3] not in k.sent and k.gone and who[3] in k.unfreed:
+        if restarted and who[3] not in k.sent and k.gone and who[3] in k.unfreed:
             self.counts["deleted, back: slots not freed"] += 1
             k.sent, k.gone, k.unfreed = [who[3]], False, []
             return who[3]
@@ -757,6 +768,7 @@ class Campaign:
                                         block[:32].tobytes(),
                                         whole(block),
                                         f"round {rnd} after restart",
+                                        restarted=True,
                                     )
                                 self.model.observed(t, ns, i, version)
                         c.unregister_pool(pool.pool_id)
