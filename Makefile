@@ -62,7 +62,8 @@ system-deps:
 # (2,931 tests: 301 and 316 s of pytest with 2, 260 s with 3, run back to back). TEST_WORKERS=0
 # runs them all in one process. A worker whose process dies in a test (a segfault, the OOM
 # killer) is not replaced (XDIST, in every target with workers): the run ends, failed. Under
-# --dist loadfile, pytest-xdist 3.8 never ended a run once it had replaced one: the target hung.
+# --dist loadfile, pytest-xdist 3.8 mostly never ended a run once it had replaced one (the
+# target hung); other runs ended in an INTERNALERROR, or re-ran the test on each replacement.
 TEST_WORKERS ?= 3
 XDIST := --max-worker-restart 0
 test: system-deps

@@ -40,7 +40,9 @@ def test_regression_a_worker_that_died_hung_the_target_instead_of_failing_it(tmp
     under ``--dist loadfile`` pytest-xdist (3.8) then never ended the run: `make test`,
     test-slow and test-vllm hung rather than failed. With the target's options, a file whose
     test ends its process, among more files than there are workers (with fewer, the run
-    ended): the run ends, failed, naming that test (the files no worker had begun are left)."""
+    ended): the run ends, failed, naming that test (the files no worker had begun are left),
+    no worker replaced. Replaced, the run hung, or, in some runs, ended once the replacements
+    had run out (12 for 3 workers: each re-ran the test that died) or in an INTERNALERROR."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_dies.py").write_text("import os\n\n\ndef test_dies():\n    os._exit(3)\n")
     for i in range(6):
@@ -63,3 +65,4 @@ def test_regression_a_worker_that_died_hung_the_target_instead_of_failing_it(tmp
         pytest.fail(f"make {target}'s pytest ({shlex.join(options)}) never ended")
     assert run.returncode == 1, out
     assert "crashed while running 'test_dies.py::test_dies'" in out, out
+    assert "replacing crashed worker" not in out, out
