@@ -688,8 +688,9 @@ class Campaign:
         k = self.args.full_disk_every
         if k > 0 and self.series % k == k - 1:
             self.full_fs = self.mount(self.root / f"series{self.series}")
-        # One full-disk series in two is a growth series (GROWTH_NAMESPACE's keys in use).
-        self.growth = self.full_fs is not None and self.series % 2 == 0
+        # One full-disk series in two is a growth series (GROWTH_NAMESPACE's keys in use),
+        # counted among the full-disk series (series // k of them before this one).
+        self.growth = self.full_fs is not None and self.series // k % 2 == 0
         self.l2_bytes = (
             (256 << 20) if not self.full_fs else (192 << 20) if self.growth else (128 << 20)
         )

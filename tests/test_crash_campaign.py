@@ -3,7 +3,11 @@ journals of the clients and in the reads after a restart, without a daemon."""
 
 from __future__ import annotations
 
-from crash_campaign import Model, tag
+import argparse
+import random
+
+import pytest
+from crash_campaign import Campaign, Model, tag
 
 
 def _deleted_where_slots_were_not_freed() -> Model:
@@ -51,3 +55,25 @@ def test_a_block_deleted_where_slots_were_not_freed_may_be_back_once_after_the_r
         model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True),
     )
     assert "alice/s4k/0 came back (deleted): v1" in model.problems[0]
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_regression_an_even_full_disk_every_had_no_growth_series(every, tmp_path, monkeypatch):
+    # A full-disk series was a growth series where its own number was even, while with
+    # --full-disk-every K the full-disk series are K-1, 2K-1, ...: odd for every even K, so
+    # none grew the index past its reserve. One full-disk series in two is one now, whatever K.
+    args = argparse.Namespace(full_disk_every=every, l3_every=0, workdir=str(tmp_path), keep=False)
+    campaign = Campaign(args)
+    monkeypatch.setattr(campaign, "mount", lambda folder: folder)
+    monkeypatch.setattr(campaign, "unmount", lambda: setattr(campaign, "full_fs", None))
+    monkeypatch.setattr(campaign, "start_daemon", lambda rng, wait=True: None)
+    kinds = []
+    try:
+        for _ in range(4 * every):
+            campaign.new_series(random.Random(0))
+            kinds.append((campaign.full_fs is not None, campaign.growth))
+    finally:
+        campaign.close()
+    full = [growth for is_full, growth in kinds if is_full]
+    assert full == [True, False, True, False], kinds
+    assert not any(growth for is_full, growth in kinds if not is_full), kinds
