@@ -7,6 +7,7 @@ else fills the disk under a running daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -14,7 +15,7 @@ import re
 import shutil
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -780,6 +781,22 @@ def test_regression_a_kept_file_size_was_lost_to_a_full_disk_and_the_index_moved
         assert tier.health().state is Health.DEGRADED_NOSPACE
 
 
+@contextlib.contextmanager
+def _wal_removed_out_of_inodes(small_fs: Path) -> Iterator[Path]:
+    """The WAL of the index in ``small_fs / "l2"`` removed while another connection is open
+    (so the old files stay: SQLite's last connection would remove them at its close), then
+    the filesystem's inodes used up; yields the folder of the files using them up. That
+    connection is closed at the end of the block."""
+    index = small_fs / "l2" / "index.sqlite3"
+    other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+    try:
+        other.execute("SELECT count(*) FROM meta").fetchall()
+        Path(f"{index}-wal").unlink()
+        yield _use_up_inodes(small_fs / "inodes")
+    finally:
+        other.close()
+
+
 def _wal_made_again_out_of_inodes(
     small_fs: Path, make_block: Block, **options: float
 ) -> tuple[DiskTier, list[PersistItem], list[WriteOutcome]]:
@@ -791,15 +808,8 @@ def _wal_made_again_out_of_inodes(
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, **options)
     committed = _allocate(tier, make_block, 0, 4)
     assert all(o.ok for o in persist(tier, committed))
-    index = directory / "index.sqlite3"
-    other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
-    try:
-        other.execute("SELECT count(*) FROM meta").fetchall()
-        Path(f"{index}-wal").unlink()
-        _use_up_inodes(small_fs / "inodes")
+    with _wal_removed_out_of_inodes(small_fs):
         outs = persist(tier, _allocate(tier, make_block, 4, 8))
-    finally:
-        other.close()
     return tier, committed, outs
 
 
@@ -855,21 +865,39 @@ def test_regression_a_wal_that_could_not_be_made_again_left_the_index_closed_for
     with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0) as tier:
         first = _allocate(tier, make_block, 0, 4)
         assert all(o.ok for o in persist(tier, first))
-        index = directory / "index.sqlite3"
-        other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
-        try:
-            other.execute("SELECT count(*) FROM meta").fetchall()
-            Path(f"{index}-wal").unlink()
-            inodes = _use_up_inodes(small_fs / "inodes")
+        with _wal_removed_out_of_inodes(small_fs) as inodes:
             assert not any(o.ok for o in persist(tier, _allocate(tier, make_block, 4, 8)))
             assert tier.health().state is Health.DEGRADED_NOSPACE
             shutil.rmtree(inodes)
             later = _allocate(tier, make_block, 8, 12)
             outs = persist(tier, later)
-        finally:
-            other.close()
         assert all(o.ok for o in outs), tier.health()
         assert tier.health().state is Health.OK
-        assert Path(f"{index}-wal").exists()
+        assert (directory / "index.sqlite3-wal").exists()
     with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
         assert {r.key for r in tier.recover()} == {it.key for it in first + later}
+
+
+def test_regression_a_recovery_after_a_failed_reopen_of_the_index_handed_its_rows_slots_out(
+    small_fs: Path, make_block: Block
+) -> None:
+    """The index's WAL removed before recovery read the rows, and no inode left to make it
+    again: the watch's check closed the connection and its reopen failed, so recovery's
+    reader and then the tier's own connection failed too. Recovery then ended as if every
+    row had been read, the allocator handing their slots out, on the grounds that a closed
+    index takes no commit; but the index is opened again at its next use (b304c9b), so
+    once inodes were freed a write there replaced a row of a block kept from before the
+    start, lost at the next. Nothing is handed out now until a restart reads every row."""
+    directory = small_fs / "l2"
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        first = _allocate(tier, make_block, 0, 4)
+        assert all(o.ok for o in persist(tier, first))
+    with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0, recover_later=True) as tier:
+        with _wal_removed_out_of_inodes(small_fs) as inodes:
+            tier._check_index_files()  # the watch's check: its reopen finds no inode
+            assert len(tier.recover()) == 0
+            shutil.rmtree(inodes)
+        assert tier.allocator.allocate(4096) is None
+        assert "no new block until restart" in tier.health().detail
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in first}

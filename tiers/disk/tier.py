@@ -1237,8 +1237,12 @@ class DiskTier:
             except sqlite3.Error as e:
                 # The rows not read yet still name their slots: handed out, a slot would meet
                 # its old row at the next start. Nothing is allocated until a restart reads
-                # them all; what was read is served.
+                # them all; what was read is served. Noted: the fault may end (a full disk
+                # freed) long before that restart.
                 self.faults.fault(classify(e), "index read")
+                self.faults.note(
+                    "recovery could not read every index row: no new block until restart"
+                )
             if drop:
                 log.warning(
                     "L2 recovery dropped %d index rows (%s)%s",
@@ -1285,7 +1289,8 @@ class DiskTier:
         a commit), through the tier's own connection, which holds the same database whether
         or not its path still names it: a file removed again is written back at the next
         check (a commit's, the watch's or ``close``'s); after a write-back that failed, only
-        ``close`` tries again."""
+        ``close`` tries again. Raises where that read fails too (the index closed), as a read
+        failing midway does."""
         index = self._idx()
         try:
             reader = index.reader()
@@ -1298,13 +1303,10 @@ class DiskTier:
                 index.path,
                 classify(e).detail,
             )
-            try:
-                _, found = index.load()
-            except sqlite3.Error as again:
-                # The index was closed (its write-back failed): no commit reaches it, and the
-                # tier refuses writes until restarted, so no slot handed out meets a row.
-                self.faults.fault(classify(again), "index read")
-                return
+            # Where this fails too (the index closed: its write-back failed, or its reopen
+            # after a WAL made again found no room, which the next commit tries again), it
+            # raises as a read failing midway does: no slot is handed out until a restart.
+            _, found = index.load()
             for start in range(0, len(found), rows):
                 yield found[start : start + rows]
             return
