@@ -901,3 +901,37 @@ def test_regression_a_recovery_after_a_failed_reopen_of_the_index_handed_its_row
         assert "no new block until restart" in tier.health().detail
     with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
         assert {r.key for r in tier.recover()} == {it.key for it in first}
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+def test_regression_an_index_file_replaced_while_its_reopen_waited_for_room_was_taken_up(
+    small_fs: Path, make_block: Block, how: str
+) -> None:
+    """The index's WAL removed while the tier runs, its reopen finding no inode: the
+    connection stays closed until the next use opens the index again (b304c9b). An index
+    file replaced meanwhile (here by an older copy) was opened as if it were the tier's own,
+    its file check passing against ids taken from it, and the next writes committed into it
+    while the blocks committed before were missing from it, lost at the next start; one
+    removed was made again, empty, by that open. Either now fails the commit and degrades
+    the tier until a restart, as an index replaced or removed while open and not written back
+    does."""
+    directory = small_fs / "l2"
+    index = directory / "index.sqlite3"
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert all(o.ok for o in persist(tier, _allocate(tier, make_block, 0, 4)))
+    shutil.copy(index, small_fs / "older")
+    with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0) as tier:
+        assert all(o.ok for o in persist(tier, _allocate(tier, make_block, 4, 8)))
+        with _wal_removed_out_of_inodes(small_fs) as inodes:
+            tier._check_index_files()  # the watch's check: its reopen finds no inode
+            shutil.rmtree(inodes)
+        if how == "replaced":
+            (small_fs / "older").rename(index)
+        else:
+            index.unlink()
+        outs = persist(tier, _allocate(tier, make_block, 8, 12))
+        assert not any(o.ok for o in outs)
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO
+        assert f"was {how} while" in health.detail
+        assert how == "replaced" or not index.exists()

@@ -794,9 +794,29 @@ class DiskIndex:
         if self._db is None:
             if self._closed or self._unrestorable:
                 raise sqlite3.ProgrammingError("the L2 index is closed")
-            self._db = self._connect()
-            self._ids = self._file_ids()
+            return self._reopen()
         return self._db
+
+    def _reopen(self) -> sqlite3.Connection:
+        """Open again the index file ``_check_files`` closed, as a commit's check finds it:
+        one removed or replaced meanwhile raises ``IndexFilesReplaced`` (each time, its id
+        kept), rather than being taken for the tier's own, or made again empty, as the open
+        would; nothing can write a removed one back, its connection closed. Called holding
+        ``_lock``."""
+        try:
+            found = self._file_ids()[0]
+        except OSError as e:
+            raise sqlite3.OperationalError(f"{self.path} cannot be checked ({e.strerror})") from e
+        if found != self._ids[0]:
+            raise IndexFilesReplaced(
+                f"{self.path} was {'removed' if found is None else 'replaced'} while its "
+                "connection was closed (its new WAL found no room): its commits would be lost "
+                "at the next start"
+            )
+        self._db = db = self._connect()
+        # The index file's id as checked: one replaced since is found by the next check.
+        self._ids = (found, self._file_ids()[1])
+        return db
 
     def _open(self) -> sqlite3.Connection | None:
         self._finish_restore()
