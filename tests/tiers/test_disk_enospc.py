@@ -935,3 +935,29 @@ def test_regression_an_index_file_replaced_while_its_reopen_waited_for_room_was_
         assert health.state is Health.DEGRADED_IO
         assert f"was {how} while" in health.detail
         assert how == "replaced" or not index.exists()
+
+
+def test_regression_a_reserve_that_could_not_be_given_back_at_the_open_ended_it_raw(
+    small_fs: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start on a full disk gives the reserve back for the index's open; its own copy of
+    the give-back raised an unlink that failed other than ENOENT (EPERM: an immutable file,
+    EIO) out of the start as a raw OSError. It now warns, as a removal's give-back does, and
+    the start is refused as where no reserve is left, naming the room to free, the index
+    kept, and saying the reserve could not be given back (not that none is left)."""
+    directory, items, _ = _stopped_on_a_full_disk(small_fs, make_block, crashed=False)
+    unlink = Path.unlink
+
+    def immutable_reserve(path: Path, missing_ok: bool = False) -> None:
+        if path.name == RESERVE_NAME:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", immutable_reserve)
+    with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*free \d") as e:
+        DiskTier(directory, 16 * MiB, 1 * MiB)
+    assert f"{RESERVE_NAME} could not be given back" in str(e.value)
+    monkeypatch.undo()
+    assert (directory / RESERVE_NAME).exists()
+    with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in items}

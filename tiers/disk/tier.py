@@ -1063,9 +1063,15 @@ class DiskTier:
                     else f"the disk of {self.directory} is full (its space, or its inodes: "
                     "df -i): free some there"
                 )
+                kept = (self.directory / RESERVE_NAME).exists()  # its unlink failed
                 raise TierUnavailable(
                     f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}) "
-                    f"and no {RESERVE_NAME} is left to give back: {room}, then restart"
+                    + (
+                        f"and {RESERVE_NAME} could not be given back (the log says why)"
+                        if kept
+                        else f"and no {RESERVE_NAME} is left to give back"
+                    )
+                    + f": {room}, then restart"
                 ) from e
 
     def _make_reserve(self) -> None:
