@@ -446,7 +446,7 @@ class AsyncClient:
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # asyncio's: on Python 3.10 not the builtin
             self._settle_when_answered(request, task)
             raise DeadlineExceededError(
                 f"Lookup: no answer within {timeout_s:.3g}s; the call runs on "

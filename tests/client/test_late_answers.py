@@ -123,8 +123,33 @@ def test_regression_a_pinning_lookup_answered_after_its_deadline_kept_its_pins(d
         wait_for(lambda: client.call_slots.held == 0)
 
 
-def test_regression_an_async_pinning_lookup_answered_after_its_deadline_kept_its_pins(daemon, late):
+class _AsyncioTimeoutError(Exception):
+    """asyncio.TimeoutError as Python 3.10 has it: not the builtin TimeoutError."""
+
+
+def _as_on_python_3_10(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``asyncio.wait_for``'s timeout ``_AsyncioTimeoutError``, as Python 3.10's is."""
+    wait_for_builtin = asyncio.wait_for
+
+    async def wait_for_3_10(aw: Any, timeout: float | None) -> Any:
+        try:
+            return await wait_for_builtin(aw, timeout)
+        except TimeoutError:
+            raise _AsyncioTimeoutError from None
+
+    monkeypatch.setattr(asyncio, "TimeoutError", _AsyncioTimeoutError)
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_3_10)
+
+
+@pytest.mark.parametrize("python", ["3.11+", "3.10"])
+def test_regression_an_async_pinning_lookup_answered_after_its_deadline_kept_its_pins(
+    daemon, late, monkeypatch, python
+):
+    """On Python 3.10 the caller's time running out raised asyncio's own TimeoutError, which
+    the client, catching the builtin one, let out untyped, the answer's lease not released."""
     keys = _stored(daemon)
+    if python == "3.10":
+        _as_on_python_3_10(monkeypatch)
 
     async def pins_reach(n: int) -> None:
         await asyncio.to_thread(wait_for, lambda: _pins(daemon) == n)
