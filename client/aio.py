@@ -443,6 +443,13 @@ class AsyncClient:
         gRPC dropped an answer the daemon sent in time that reached the client late, its
         lease pinned likewise. One whose call an interrupt ended, its answer unread, gives
         its session up (see ``_settle_pinned``)."""
+        try:
+            # The session is opened first, within the client's time: ``timeout_s`` is the
+            # Lookup's own, as any call's (README), and the blocking client's.
+            await self.session()
+        except BaseException:
+            call.close()  # not begun
+            raise
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)

@@ -165,3 +165,29 @@ def test_regression_an_async_pinning_lookup_answered_after_its_deadline_kept_its
             await pins_reach(0)
 
     asyncio.run(main())
+
+
+def test_regression_an_async_pinning_lookup_counted_the_session_opening_in_its_time(
+    daemon, monkeypatch
+):
+    """README: a call's ``timeout_s`` bounds that call; opening a session first still takes up
+    to the client's. An AsyncClient's pinning lookup counted the opening in its own time: one
+    whose session took longer than it failed with DeadlineExceededError, its Lookup sent on
+    regardless, though the blocking client's, and its own lookup without a pin, succeeded."""
+    keys = _stored(daemon)
+    open_session = AsyncClient._open_session
+    lookup_timeout_s = 1.0  # the daemon answers well within it
+
+    async def slow_open_session(self: AsyncClient) -> None:
+        await asyncio.sleep(1.5 * lookup_timeout_s)  # past the lookup's time
+        await open_session(self)
+
+    monkeypatch.setattr(AsyncClient, "_open_session", slow_open_session)
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address, timeout_s=10) as client:
+            answer = await client.lookup(keys, pin=True, timeout_s=lookup_timeout_s)
+            assert answer.prefix_len == 4 and answer.lease_id
+            await client.release(answer.lease_id)
+
+    asyncio.run(main())
