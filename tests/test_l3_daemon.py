@@ -234,13 +234,17 @@ def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_ke
         daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix, "tiers.l3.probe_deadline_ms=1000"
     )
     chain = keys(4, 6)
-    with a.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+    with (
+        a.client() as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+        grpc.insecure_channel(a.address) as channel,
+    ):
         pool = client.register_pool(shm, LAYOUT)
         client.put(pool.pool_id, chain[:2], range(2))  # the rest of the chain is probed
         looked_up = client.stats().counters.get("lookup_keys", 0)
         fresh_redis.pause()
         try:
-            bare = pb_grpc.KVTierStub(grpc.insecure_channel(a.address)).Lookup
+            bare = pb_grpc.KVTierStub(channel).Lookup
             request = pb.LookupRequest(session_id=client.session_id, keys=chain, pin=True)
             for _ in range(3):
                 with pytest.raises(DeadlineExceededError):
