@@ -450,8 +450,9 @@ def check_request(settle_s: float, list_limit: int = 0) -> pb.CheckRequest:
         raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
     return build_request(
         pb.CheckRequest,
-        # In floats: a NumPy integer's own type overflowed (np.int8(3) * 1000).
-        settle_ms=int(min(float(settle_s), MAX_CHECK_SETTLE_S) * 1000),
+        # In floats once cut: a NumPy integer's own type overflowed (np.int8(3) * 1000), and
+        # a float of an int past its range does.
+        settle_ms=int(float(min(settle_s, MAX_CHECK_SETTLE_S)) * 1000),
         list_limit=list_limit,
     )
 

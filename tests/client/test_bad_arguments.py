@@ -285,10 +285,11 @@ def test_invalid_argument_errors_are_also_value_errors():
     assert issubclass(InvalidArgumentError, ValueError)
 
 
-@pytest.mark.parametrize("settle_s", [61.0, 1e12, float("inf")])
+@pytest.mark.parametrize("settle_s", [61.0, 1e12, float("inf"), 10**400])
 def test_a_check_settle_past_the_daemons_longest_wait_is_cut_to_it(settle_s):
     """``kvtier check --settle 1e12`` was refused with the wire field's overflow ("settle_ms:
-    value out of range"); the daemon waits at most a minute, and so does such a request."""
+    value out of range"); the daemon waits at most a minute, and so does such a request. An
+    int past a float's range, converted before the cut (e06e2b2), raised OverflowError."""
     from kvtier.client.types import MAX_CHECK_SETTLE_S, check_request
     from kvtier.daemon.service import MAX_SETTLE_MS
 
