@@ -535,14 +535,21 @@ class TransferJob:
             return self._plan.done_mask(end_layer)
 
     def cancel(self) -> None:
-        """Stop waiting for the job; RPCs in flight are cancelled (see ``pages_reusable``)."""
+        """Stop waiting for the job; RPCs in flight are cancelled (see ``pages_reusable``),
+        but those on a channel the client gave up, which it cancels itself."""
         with self._cond:
             in_flight = self._plan.cancel()
-            calls = [self._futures[p.index] for p in in_flight if p.index in self._futures]
+            stub = self._client.stub
+            # Not those on a channel given up meanwhile: their cancel takes the lock an
+            # interrupt may have left held there, for good; kept for ``channel_given_up``'s
+            # timer, which hands them to the client. The others are dropped, once cancelled
+            # here: a later give-up of their channel would read them as still in flight.
+            sent = [
+                self._futures.pop(p.index)[0]
+                for p in in_flight
+                if self._futures.get(p.index, (None, None))[1] is stub
+            ]
             self._cond.notify_all()
-        # Not those on a channel given up meanwhile: their cancel takes the lock an interrupt
-        # may have left held there, for good (``channel_given_up`` ends them).
-        sent = [fut for fut, stub in calls if stub is self._client.stub]
         try:
             for fut in sent:
                 fut.cancel()

@@ -1225,6 +1225,26 @@ def test_threads_queued_for_a_slot_of_a_channel_given_up_are_not_sent_there(daem
         assert client.check().leases == 0  # the lease went with the given-up session
 
 
+class NeverAnswered:
+    """A call's future that gets no answer, nor its deadline, as on a channel whose lock an
+    interrupt left held; notes the threads that cancel it."""
+
+    def __init__(self, cancelled_on: list[str]) -> None:
+        self.cancelled_on = cancelled_on
+
+    def add_done_callback(self, fn) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        self.cancelled_on.append(threading.current_thread().name)
+        return True
+
+
+def never_answered(cancelled_on: list[str]) -> types.SimpleNamespace:
+    """A stub's method (``stub.Put``) whose calls are ``NeverAnswered``."""
+    return types.SimpleNamespace(future=lambda request, **kwargs: NeverAnswered(cancelled_on))
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("then", ["wait", "cancel"])
 def test_regression_a_job_part_in_flight_on_a_hung_given_up_channel_never_ended(daemon, then):
@@ -1237,27 +1257,22 @@ def test_regression_a_job_part_in_flight_on_a_hung_given_up_channel_never_ended(
     leaves that call to it."""
     cancelled_on: list[str] = []
 
-    class NeverAnswered:
-        def add_done_callback(self, fn) -> None:
-            pass
-
-        def cancel(self) -> bool:
-            cancelled_on.append(threading.current_thread().name)
-            return True
-
-    def never_answered(request, **kwargs) -> NeverAnswered:
-        return NeverAnswered()
-
     keys = keys_for(1, f"hung-{then}")
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
-        client.stub.Put = types.SimpleNamespace(future=never_answered)
+        client.stub.Put = never_answered(cancelled_on)
         job = client.submit_save(pool, [SaveSegment(keys, [0])], timeout_s=0.5)
         client.interrupted(KeyboardInterrupt())  # another thread's, as one of its calls
         if then == "cancel":
             job.cancel()
             assert cancelled_on == []
             assert job.poll().state is JobState.CANCELLED
+            # Left to the client, which cancels it past the part's time, on a thread of its
+            # own (dropped with the job's cancel, it was never cancelled).
+            waited = time.monotonic() + 10
+            while not cancelled_on and time.monotonic() < waited:
+                time.sleep(0.05)
+            assert cancelled_on == ["kvtier-discarded"]  # the client's closer (``keep``)
         status = job.wait(timeout_s=10)
         assert status.finished and not status.pages_reusable, status
         if then == "wait":
@@ -1291,3 +1306,31 @@ def test_a_part_queued_behind_an_interrupted_call_of_a_client_closed_meanwhile_e
         assert status.finished and isinstance(status.error, errors.UnavailableError), status
         assert "closed" in str(status.error)
         assert client.call_slots is slots and slots.held == 0 and slots.waiting == 0
+
+
+@pytest.mark.timeout(30)
+def test_regression_a_give_up_armed_a_timer_for_each_job_cancelled_before_it(daemon):
+    """A job's ``cancel()`` left the futures of the calls it cancelled in the job, so a later
+    give-up of that channel (``TransferJob.channel_given_up``) read them as parts in flight
+    there: a timer thread for each job cancelled earlier that the client still held (up to
+    ``JobTable.keep_finished``, as the vLLM connector's cancelled loads are), each handing its
+    long-cancelled calls to the client's closer, a thread more. The cancel now drops the calls
+    it cancels; the give-up arms nothing for that job."""
+    cancelled_on: list[str] = []
+
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.stub.Put = never_answered(cancelled_on)
+        job = client.submit_save(pool, [SaveSegment(keys_for(1, "cancelled-first"), [0])])
+        job.cancel()  # on the client's channel: cancelled here
+        assert cancelled_on == [threading.current_thread().name]
+        client.interrupted(KeyboardInterrupt())  # another thread's, as one of its calls
+        armed = [
+            t
+            for t in threading.enumerate()
+            if isinstance(t, threading.Timer) and t.function == job._unanswered
+        ]
+        for timer in armed:
+            timer.cancel()  # due past the part's deadline (the client's timeout): not run
+        assert armed == []
+        assert job.poll().state is JobState.CANCELLED
