@@ -594,8 +594,8 @@ class Client:
         mark comes first: another interruption that lands before the channel is replaced
         leaves that to the client's next call. Once an ``error``: the guards of the calls that
         it passes through on its way out each note it, and a second replacement would only
-        give up the new channel. ``calls``: the gRPC calls ``error`` ended, which the client would drop;
-        cancelled on a thread of their own instead, and kept until that ends (see
+        give up the new channel. ``calls``: the gRPC calls ``error`` ended, which the client
+        would drop; cancelled on a thread of their own instead, and kept until that ends (see
         ``_ChannelCloser``). The generator contexts that ``error`` entered but left before
         their ``with`` began are ended here, on the thread that entered them
         (``end_entered_contexts``), after the mark. ``holding``: the slots (``call_slots``)
