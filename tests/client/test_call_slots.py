@@ -315,7 +315,13 @@ def test_an_interrupt_in_a_thread_s_wait_for_a_slot_leaves_the_slots_counted(han
     )
     slots = CallSlots(1)
     assert slots.acquire(0)
-    releaser = threading.Timer(0.05, slots.release)  # the call holding the slot ends
+
+    def release_once_queued() -> None:  # the call holding the slot ends, the caller queued
+        while slots.waiting == 0:
+            time.sleep(0.001)
+        slots.release()
+
+    releaser = threading.Thread(target=release_once_queued)
     sys.setprofile(interrupt)
     try:
         if handed:
