@@ -17,9 +17,10 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from disk_faults import fill_disk
+from disk_faults import FaultyFiles, fill_disk
 from disk_writes import PersistItem, persist
 from races import ContendedLock, wait_for
 
@@ -961,3 +962,57 @@ def test_regression_a_reserve_that_could_not_be_given_back_at_the_open_ended_it_
     assert (directory / RESERVE_NAME).exists()
     with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0) as tier:
         assert {r.key for r in tier.recover()} == {it.key for it in items}
+
+
+@pytest.mark.parametrize("commit", ["refused", "failed"])
+def test_regression_a_block_whose_quarantine_did_not_commit_came_back_after_its_delete(
+    small_fs: Path,
+    make_block: Block,
+    faulty_files: FaultyFiles,
+    monkeypatch: pytest.MonkeyPatch,
+    commit: str,
+) -> None:
+    """A read that failed once (EIO) on a full disk quarantined its block, but the
+    quarantine's commit, which deletes its row, was refused (the reserve, given back by a
+    removal, could not be made again) or failed (SQLITE_FULL: the WAL could not grow), and
+    nothing deleted the row later: the daemon drops its copy of a block whose read failed,
+    so a Delete of its key never reaches the tier. After a restart the row was served again,
+    its bytes verifying, and the deleted key came back. The row is now deleted as a
+    removal's is, on the reserve where needed; only the quarantine's own row is not written."""
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB)
+    items = _allocate(tier, make_block, 0, 8)
+    outs = persist(tier, items)
+    assert all(o.ok for o in outs)
+    tier.close()  # checkpointed: the WAL starts empty, and must grow for the next commit
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0, backend=faulty_files)
+    tier.recover()
+    fill_disk(small_fs / "filler")
+    if commit == "refused":
+        assert tier.remove([items[-1].slot])
+        assert tier.stats().counters["removals_on_reserve"] == 1
+    answers: list[object] = []
+    real_quarantine = tier._idx().quarantine
+
+    def quarantine(*args: Any, **kwargs: Any) -> bool:
+        try:
+            recorded = real_quarantine(*args, **kwargs)
+        except sqlite3.Error as e:
+            answers.append(getattr(e, "sqlite_errorname", e))
+            raise
+        answers.append(recorded)
+        return recorded
+
+    monkeypatch.setattr(tier._idx(), "quarantine", quarantine)
+    faulty_files.fail("preadv", errno.EIO, times=1)
+    failed = items[0]
+    read = ReadItem(failed.slot, bytearray(4096), 4096, outs[0].checksum, failed.key)
+    assert tier.read_items([read]) == [False]
+    assert answers == [False if commit == "refused" else "SQLITE_FULL"]
+    assert [q.slot for q in tier.quarantined()] == [failed.slot]
+    tier.close()
+    (small_fs / "filler").unlink()
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as again:
+        assert {r.key for r in again.recover()} == {it.key for it in items[1:-1]} | (
+            {items[-1].key} if commit == "failed" else set()
+        )

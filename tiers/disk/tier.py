@@ -32,7 +32,9 @@ Invariants:
   mismatch or I/O error) is a miss: its row is deleted, its slot is quarantined (held, never
   handed out again, also across restarts, until ``release_quarantined`` or an open that
   recreates the part of its data file it lies in), and the event is counted and logged with
-  the key.
+  the key. Where the quarantine's record does not commit (refused or failed on a full disk)
+  the row is deleted all the same, as a removal's (``_delete_rows``), and the slot held
+  until a restart.
 - I/O faults never raise out of the data verbs: they are results, counters and the tier's
   health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads (after
   a full disk or a locked index, until a write let through now and then, or the index
@@ -970,13 +972,7 @@ class DiskTier:
         if not slots:
             return True
         try:
-            with self._state_lock:
-                rows = self._committed.present(slots)
-            if len(rows) < len(slots):
-                known = set(rows)
-                rows += self._idx().committed_slots([s for s in slots if s not in known])
-            if rows:
-                self._delete_rows(rows)
+            self._delete_rows(slots)
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index delete")
             self.faults.count(remove_failures=len(slots))
@@ -992,14 +988,22 @@ class DiskTier:
         self.faults.count(removed_slots=freed)
         return True
 
-    def _delete_rows(self, rows: list[int]) -> None:
-        """Delete the block rows of ``rows`` in one transaction. Where the index has no room
-        for it (SQLITE_FULL: a full disk), give the reserve back to the filesystem, restart
+    def _delete_rows(self, slots: list[int]) -> None:
+        """Delete the block rows of ``slots`` in one transaction; none when no slot has one
+        (``_committed``, else the index says). Where the index has no room for it
+        (SQLITE_FULL: a full disk), give the reserve back to the filesystem, restart
         the WAL on that room and try again; still short, or the reserve spent by an earlier
         removal, delete them ``_RESERVE_STEP_ROWS`` at a time, the WAL restarted before each,
         so that a larger removal commits within the reserve, and later ones within the room
         the WAL's file took from it; the index held from the give-back on. Raises what the
         last try raised."""
+        with self._state_lock:
+            rows = self._committed.present(slots)
+        if len(rows) < len(slots):
+            known = set(rows)
+            rows += self._idx().committed_slots([s for s in slots if s not in known])
+        if not rows:
+            return
         try:
             self._idx().delete(rows)
             return
@@ -1775,17 +1779,30 @@ class DiskTier:
             )
         # Committed only where the reserve holds the index's growth (``_reserve_ready``): a
         # quarantine of a batch's blocks adds up to ~250 bytes of index per slot (a reason
-        # of 200 characters; ~40 for "checksum mismatch"). Not
-        # committed, or failed, the slots are quarantined in memory all the same; after a
-        # restart their rows would be served again only if their bytes verify.
+        # of 200 characters; ~40 for "checksum mismatch"). Not committed, or failed, the
+        # slots are quarantined in memory all the same, until a restart.
         what = "index quarantine update"
+        fault: Fault | None = None
         try:
-            self._idx().quarantine(
+            recorded = self._idx().quarantine(
                 [(b.slot, b.nbytes, b.error) for b in blocks],
                 room=functools.partial(self._reserve_ready, what),
             )
         except sqlite3.Error as e:
-            self.faults.fault(classify(e), what)
+            fault = classify(e)
+            self.faults.fault(fault, what)
+            recorded = False
+        if not recorded and (fault is None or fault.kind != "locked"):
+            # The store forgets its copy of these blocks, so no Delete of their keys reaches
+            # their rows: left, they were served again after a restart where their bytes
+            # verified (a one-off read error), a deleted key back. Deleted as a removal's
+            # rows are, which commit on a full disk (``_delete_rows``): only the quarantine's
+            # own rows go unwritten. Not after a lock another process held past the busy
+            # timeout, which a second try would wait out again, holding up this read.
+            try:
+                self._delete_rows([b.slot for b in blocks])
+            except sqlite3.Error as e:
+                self.faults.fault(classify(e), "index delete")
         with self._state_lock:
             for b in blocks:
                 # A slot two reads found bad at once is quarantined twice: counted once.
