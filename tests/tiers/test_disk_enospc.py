@@ -904,7 +904,7 @@ def test_regression_a_recovery_after_a_failed_reopen_of_the_index_handed_its_row
         assert {r.key for r in tier.recover()} == {it.key for it in first}
 
 
-@pytest.mark.parametrize("how", ["replaced", "removed"])
+@pytest.mark.parametrize("how", ["replaced", "removed", "recreated"])
 def test_regression_an_index_file_replaced_while_its_reopen_waited_for_room_was_taken_up(
     small_fs: Path, make_block: Block, how: str
 ) -> None:
@@ -915,7 +915,9 @@ def test_regression_an_index_file_replaced_while_its_reopen_waited_for_room_was_
     while the blocks committed before were missing from it, lost at the next start; one
     removed was made again, empty, by that open. Either now fails the commit and degrades
     the tier until a restart, as an index replaced or removed while open and not written back
-    does."""
+    does. "recreated": the index removed, then the older copy written at its path (``cp``
+    after ``rm``): nothing held the closed file, so ext4 gave its inode number to the copy,
+    whose (device, inode) then matched the closed file's and the writes went into it."""
     directory = small_fs / "l2"
     index = directory / "index.sqlite3"
     with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
@@ -930,12 +932,14 @@ def test_regression_an_index_file_replaced_while_its_reopen_waited_for_room_was_
             (small_fs / "older").rename(index)
         else:
             index.unlink()
+        if how == "recreated":
+            shutil.copyfile(small_fs / "older", index)
         outs = persist(tier, _allocate(tier, make_block, 8, 12))
         assert not any(o.ok for o in outs)
         health = tier.health()
         assert health.state is Health.DEGRADED_IO
-        assert f"was {how} while" in health.detail
-        assert how == "replaced" or not index.exists()
+        assert f"was {'removed' if how == 'removed' else 'replaced'} while" in health.detail
+        assert how != "removed" or not index.exists()
 
 
 def test_regression_a_reserve_that_could_not_be_given_back_at_the_open_ended_it_raw(

@@ -306,6 +306,11 @@ class DiskIndex:
         self._count: Callable[..., None] = count or _count_nothing
         self._unrestorable = ""  # why an index removed while open could not be written back
         self._closed = False  # ``close`` was called
+        # While ``_check_files`` has the connection closed to start a new WAL: an ``O_PATH``
+        # descriptor of the index file it closed, which keeps that file's inode (and so its
+        # number: ``_reopen`` compares it) from going to another file. ``O_PATH``: closing it
+        # does not drop the process's POSIX locks on the file, as closing any other would.
+        self._held: int | None = None
         # Namespace records whose commit failed (ns -> label; None: the record dropped, by
         # ``forget``): made by the next commit.
         self._unrecorded: dict[int, str | None] = {}
@@ -626,6 +631,7 @@ class DiskIndex:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.close()
                 self._db = None
+            self._let_go()
             self._closed = True
 
     def _file_ids(self) -> tuple[FileId, FileId]:
@@ -709,11 +715,11 @@ class DiskIndex:
                 f"the WAL of {self.path} was removed or replaced while open and its commits "
                 "could not be checkpointed into the index yet (another process holds it)"
             )
+        self._hold()
         self._db = None
         with contextlib.suppress(sqlite3.Error):
             db.close()
-        self._db = self._connect()
-        self._ids = self._file_ids()
+        self._reopen()
         log.warning(
             "L2 index %s: its WAL was removed or replaced while open; its commits were "
             "checkpointed into the index file and a new WAL started",
@@ -797,12 +803,41 @@ class DiskIndex:
             return self._reopen()
         return self._db
 
-    def _reopen(self) -> sqlite3.Connection:
-        """Open again the index file ``_check_files`` closed, as a commit's check finds it:
-        one removed or replaced meanwhile raises ``IndexFilesReplaced`` (each time, its id
-        kept), rather than being taken for the tier's own, or made again empty, as the open
-        would; nothing can write a removed one back, its connection closed. Called holding
+    def _hold(self) -> None:
+        """Hold the index file the connection has open (``_held``) before ``_check_files``
+        closes it: a file removed then, and another made at its path, could otherwise take
+        its inode number, and ``_reopen`` would take that file for the tier's own. Raises as
+        a replaced index where the path names another file already. Called holding
         ``_lock``."""
+        try:
+            held = os.open(self.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(held)
+            except OSError:
+                os.close(held)
+                raise
+        except OSError as e:
+            raise sqlite3.OperationalError(f"{self.path} cannot be checked ({e.strerror})") from e
+        if (st.st_dev, st.st_ino) != self._ids[0]:
+            os.close(held)
+            raise IndexFilesReplaced(
+                f"{self.path} was replaced while open: its commits would be lost at the next start"
+            )
+        self._held = held
+
+    def _let_go(self) -> None:
+        """Close ``_held``, once the index file is open again (or the index closed)."""
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
+
+    def _reopen(self) -> sqlite3.Connection:
+        """Open again the index file ``_check_files`` closed (held meanwhile: ``_hold``), as
+        a commit's check finds it: one removed or replaced meanwhile raises
+        ``IndexFilesReplaced`` (each time, the file still held), rather than being taken for
+        the tier's own, or made again empty, as the open would; nothing can write a removed
+        one back, its connection closed. Where the open fails (``IndexNoRoom``: no inode for
+        the new WAL), the next use tries again. Called holding ``_lock``."""
         try:
             found = self._file_ids()[0]
         except OSError as e:
@@ -810,10 +845,11 @@ class DiskIndex:
         if found != self._ids[0]:
             raise IndexFilesReplaced(
                 f"{self.path} was {'removed' if found is None else 'replaced'} while its "
-                "connection was closed (its new WAL found no room): its commits would be lost "
-                "at the next start"
+                "connection was closed to start a new WAL: its commits would be lost at the "
+                "next start"
             )
         self._db = db = self._connect()
+        self._let_go()  # the connection holds the file now
         # The index file's id as checked: one replaced since is found by the next check.
         self._ids = (found, self._file_ids()[1])
         return db
