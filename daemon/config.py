@@ -1297,9 +1297,14 @@ def _env_hint(var: str, names: Mapping[str, str]) -> str | None:
             return None
         return f"(the variable of {lists[0]} is {env_name(lists[0])}, for its whole list as YAML)"
     keys = [k for k in names.values() if k.startswith(within + ".")]
-    close = difflib.get_close_matches(upper, [env_name(k) for k in keys], n=1)
+    # Only what follows the section's prefix is compared: the prefix every candidate shares
+    # made any variable of the section near one (KVTIER_SERVER_ZZZZZZZZ: server.socket).
+    prefix = env_name(within) + "_"
+    close = difflib.get_close_matches(
+        upper[len(prefix) :], [env_name(k)[len(prefix) :] for k in keys], n=1
+    )
     if close:
-        return f"(did you mean {close[0]}, the variable of {names[close[0]]}?)"
+        return f"(did you mean {prefix + close[0]}, the variable of {names[prefix + close[0]]}?)"
     known = dict.fromkeys(k[len(within) + 1 :].split(".")[0] for k in keys)
     return f"(known in {within}: {', '.join(known)})"
 

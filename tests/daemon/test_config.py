@@ -439,6 +439,25 @@ def test_regression_a_misspelt_variable_was_pointed_at_another_sections_key(var,
     assert f"environment variable {var} names no config key {named}" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "var, named",
+    [
+        ("KVTIER_SERVER_ZZZZZZZZ", "(known in server: socket, socket_mode, "),
+        ("KVTIER_TIERS_L2_QQQQ", "(known in tiers.l2: "),
+        ("KVTIER_SERVER_SOCKT", "(did you mean KVTIER_SERVER_SOCKET, the variable of server"),
+    ],
+)
+def test_regression_a_variable_near_no_key_was_pointed_at_one_for_its_sections_prefix(var, named):
+    """README (Configure): a misspelt variable is named with the nearest key's variable in its
+    section, else the section's keys. The whole names were compared, and the section's prefix
+    they share (KVTIER_SERVER_) made nearly any variable near a key: KVTIER_SERVER_ZZZZZZZZ got
+    "did you mean KVTIER_SERVER_SOCKET", and the keys were listed only past some 30 letters.
+    Only what follows the prefix is compared now."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={var: "1"})
+    assert f"environment variable {var} names no config key {named}" in str(e.value)
+
+
 @pytest.mark.parametrize("var", ["KVTIER_tenants", "kvtier_shared_namespaces"])
 def test_regression_a_top_level_lists_variable_in_lower_case_was_skipped(var):
     """``KVTIER_server_socket`` stops the daemon (01de91d), but ``KVTIER_tenants`` was
