@@ -32,9 +32,9 @@ Invariants:
   mismatch or I/O error) is a miss: its row is deleted, its slot is quarantined (held, never
   handed out again, also across restarts, until ``release_quarantined`` or an open that
   recreates the part of its data file it lies in), and the event is counted and logged with
-  the key. Where the quarantine's record does not commit (refused or failed on a full disk)
-  the row is deleted all the same, as a removal's (``_delete_rows``), and the slot held
-  until a restart.
+  the key. Where the quarantine's record does not commit (refused on a full disk, or failed
+  but for a lock another process held past the busy timeout) the row is deleted all the same,
+  as a removal's (``_delete_rows``), and the slot held until a restart, which frees it.
 - I/O faults never raise out of the data verbs: they are results, counters and the tier's
   health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads (after
   a full disk or a locked index, until a write let through now and then, or the index
