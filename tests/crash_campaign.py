@@ -30,8 +30,9 @@ unable to open with no reserve left to give back, is given the 2 MiB). The check
 Delete answered on a full disk stays done, README says, but for the blocks whose slots a
 fault kept the tier from freeing (their rows kept: a disk full past the reserve, where a
 start found no room to make it), which README says come back: the keys a Delete answered
-during a daemon's life whose log says slots could not be freed may come back once (counted,
-not a problem). One full-disk series in two is a growth series: one client process of each
+during a daemon's life whose log says slots could not be freed may come back once, after the
+restart (counted, not a problem), over a later put of the key too unless it was answered
+persisted. One full-disk series in two is a growth series: one client process of each
 tenant also puts the 4,096 keys of ``GROWTH_NAMESPACE`` (4 KiB) in durable batches of up to
 256, and its first start (one in four after) leaves 4 MiB free, so that the index's growth in
 its WAL since the last checkpoint passes 128 KiB and index.reserve grows past its 256 KiB
@@ -251,7 +252,8 @@ class KeyState:
     must_before_delete: bool = False
     gone: bool = False  # a Delete of it was answered, no put sent since
     # Versions a Delete answered where the daemon's log says slots could not be freed: their
-    # rows may be kept, and the key back once, after the restart (README).
+    # rows may be kept, and the key back once, after the restart (README), put again since
+    # or not.
     unfreed: list[str] = field(default_factory=list)
 
 
@@ -325,7 +327,8 @@ class Model:
         """The version a block read holds, after checking it may be there (None: a problem).
         A block deleted where slots were not freed may be back only after a restart (its row
         read again from the index): a client's read of it in the life its Delete was answered
-        in is a problem."""
+        in is a problem. It may be back over a put of the key since that Delete (which took
+        another slot), unless that put was answered persisted."""
         k = self.keys.setdefault((tenant, ns, i), KeyState())
         who = self.tags.get(head)
         if who is None or not is_whole:
@@ -334,7 +337,7 @@ class Model:
         if who[:3] != (tenant, ns, i):
             self.problems.append(f"{where}: {tenant}/{ns}/{i} read the block of {who}")
             return None
-        if restarted and who[3] not in k.sent and k.gone and who[3] in k.unfreed:
+        if restarted and who[3] not in k.sent and who[3] in k.unfreed and not k.must:
             self.counts["deleted, back: slots not freed"] += 1
             k.sent, k.gone, k.unfreed = [who[3]], False, []
             return who[3]

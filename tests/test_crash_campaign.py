@@ -57,6 +57,40 @@ def test_a_block_deleted_where_slots_were_not_freed_may_be_back_once_after_the_r
     assert "alice/s4k/0 came back (deleted): v1" in model.problems[0]
 
 
+def _put(model: Model, v: str, persisted: bool) -> None:
+    model.feed("alice", {"op": "put", "ns": "s4k", "i": 0, "v": v})
+    ack = {"op": "put_ack", "ns": "s4k", "i": 0, "v": v, "status": "STORED", "p": persisted}
+    model.feed("alice", ack)
+
+
+def test_regression_a_block_deleted_where_slots_were_not_freed_then_put_again_was_refused_back():
+    # A Delete whose slots were not freed keeps the key's row in the index; a put of the key
+    # after it (an overwrite) takes another slot, and where that version is not made durable
+    # (L1 only, lost at the kill) the restart serves the kept row's version, as README says of
+    # such rows. The model allowed that comeback only with no put since the Delete: it took
+    # it as a block never sent since its last Delete.
+    model = _deleted_where_slots_were_not_freed()
+    _put(model, "v2", persisted=False)
+    head = tag("alice", "s4k", 0, "v1")
+    version = model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True)
+    model.observed("alice", "s4k", 0, version)
+    assert (version, model.problems) == ("v1", [])
+    assert model.counts["deleted, back: slots not freed"] == 1
+
+
+def test_a_kept_row_back_over_a_put_answered_persisted_since_its_delete_is_a_problem():
+    # The put after the Delete was answered persisted: the restart must serve that version,
+    # not the one whose row the fault kept.
+    model = _deleted_where_slots_were_not_freed()
+    _put(model, "v2", persisted=True)
+    head = tag("alice", "s4k", 0, "v1")
+    version = model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True)
+    assert version is None
+    assert model.problems == [
+        "after restart: alice/s4k/0 came back (not sent since its last Delete): v1"
+    ]
+
+
 @pytest.mark.parametrize("every", [1, 2, 3])
 def test_regression_an_even_full_disk_every_had_no_growth_series(every, tmp_path, monkeypatch):
     # A full-disk series was a growth series where its own number was even, while with
