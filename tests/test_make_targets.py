@@ -49,9 +49,13 @@ def test_regression_a_worker_that_died_hung_the_target_instead_of_failing_it(tmp
         (tmp_path / f"test_passes_{i}.py").write_text("def test_passes():\n    pass\n")
     options = _xdist_options(target)
     assert "-n" in options, options
+    # Not the environment's PYTEST_ADDOPTS: with -q there, xdist prints none of its worker
+    # lines (that it replaced one, or that restarting is disabled) and the last assert is blind.
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *options, str(tmp_path)],
         cwd=tmp_path,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
