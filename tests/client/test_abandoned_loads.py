@@ -29,7 +29,15 @@ import pytest
 from grpc import _common as grpc_common
 from grpc.aio import _call as grpc_aio_call
 
-from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool, flows
+from kvtier.client import (
+    AsyncClient,
+    Client,
+    DeadlineExceededError,
+    Namespace,
+    PoolLayout,
+    SharedMemoryPool,
+    flows,
+)
 from kvtier.client import types as client_types
 from kvtier.client.aio import AsyncRegisteredPool
 from kvtier.client.slots import AsyncCallSlots
@@ -457,22 +465,12 @@ class SignalHandlerError(BaseException):
     KeyboardInterrupt goes on out of the loop, which pytest's process does not outlive."""
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("call", ["lookup", "load"])
-@pytest.mark.parametrize("at", ["grpc-answer", "slot-release"])
-def test_regression_an_interrupt_inside_an_async_pinning_lookups_call_kept_its_pin(
-    daemon, at, call
-):
-    """An exception that a signal's handler raises in the loop inside a pinning Lookup's
-    gRPC call once the daemon has answered (pinning as it answers): as gRPC's aio call takes
-    the answer in (grpc-answer), or as the client frees the call's slot (slot-release);
-    injected at the entry of the function called there, where the interpreter checks for
-    signals (found by a fuzz of random SIGALRMs, its tracebacks ending in gRPC's call end).
-    The answer, which alone held the lease id, was lost with the call's task, and the client
-    kept its session: the blocks stayed pinned until the lease expired (600 s here). The
-    client now gives that session up, whose end frees the lease; the call queued behind the
-    Lookup (max_calls_open=1) is answered, and the pool is registered again in the new
-    session."""
+async def interrupted_in_call(at: str, go_on: asyncio.Event, task: asyncio.Task[Any]) -> None:
+    """Let the Lookups held by ``hold_lookups`` (``go_on``) go on under a trace that raises
+    SignalHandlerError inside a pinning Lookup's call once the daemon has answered: as gRPC's
+    aio call takes the answer in (grpc-answer), or as the client frees the call's slot
+    (slot-release); at the entry of the function called there, where the interpreter checks
+    for signals. ``task`` (the Lookup's caller, or the Lookup itself) ends with it."""
     landed: list[bool] = []
     trace = {
         "grpc-answer": lambda: at_entry(
@@ -493,17 +491,49 @@ def test_regression_an_interrupt_inside_an_async_pinning_lookups_call_kept_its_p
             landed.append(True)
             raise
 
+    sys.settrace(landing)
+    try:
+        go_on.set()
+        with pytest.raises(SignalHandlerError):
+            await task
+    finally:
+        sys.settrace(None)
+    assert landed
+
+
+def hold_lookups(client: AsyncClient) -> asyncio.Event:
+    """Have ``client``'s Lookups wait in their call slots, unsent, until the event returned
+    is set."""
+    lookup, go_on = client._stub.Lookup, asyncio.Event()
+
+    async def held(request: Any, **kwargs: Any) -> Any:
+        await go_on.wait()
+        return await lookup(request, **kwargs)
+
+    client._stub.Lookup = held
+    return go_on
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("call", ["lookup", "load"])
+@pytest.mark.parametrize("at", ["grpc-answer", "slot-release"])
+def test_regression_an_interrupt_inside_an_async_pinning_lookups_call_kept_its_pin(
+    daemon, at, call
+):
+    """An exception that a signal's handler raises in the loop inside a pinning Lookup's
+    gRPC call once the daemon has answered (pinning as it answers), at ``at`` (see
+    ``interrupted_in_call``; found by a fuzz of random SIGALRMs, its tracebacks ending in
+    gRPC's call end). The answer, which alone held the lease id, was lost with the call's
+    task, and the client kept its session: the blocks stayed pinned until the lease expired
+    (600 s here). The client now gives that session up, whose end frees the lease; the call
+    queued behind the Lookup (max_calls_open=1) is answered, and the pool is registered
+    again in the new session."""
+
     async def main() -> None:
         async with AsyncClient(daemon.address, max_calls_open=1) as client:
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
                 pool, session, keys = await stored_pool(client, shm)
-                lookup, go_on = client._stub.Lookup, asyncio.Event()
-
-                async def held(request: Any, **kwargs: Any) -> Any:
-                    await go_on.wait()  # holds the call's slot, so that the next queues
-                    return await lookup(request, **kwargs)
-
-                client._stub.Lookup = held
+                go_on = hold_lookups(client)  # holds the call's slot, so that the next queues
                 if call == "lookup":
                     pinning = client.lookup(keys, pin=True, lease_ms=LEASE_MS)
                 else:
@@ -514,17 +544,47 @@ def test_regression_an_interrupt_inside_an_async_pinning_lookups_call_kept_its_p
                 queued = asyncio.create_task(client.lookup(keys))
                 while client._slots.waiting < 1:
                     await asyncio.sleep(0.01)
-                sys.settrace(landing)
-                try:
-                    go_on.set()
-                    with pytest.raises(SignalHandlerError):
-                        await interrupted
-                finally:
-                    sys.settrace(None)
-                assert landed
+                await interrupted_in_call(at, go_on, interrupted)
                 assert (await queued).prefix_len == 2
                 assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
                 assert (await client.stats()).gauges["blocks_pinned"] == 0
+                assert await client.session() != session
+                assert await pool.load(TOKENS, [2, 3]) == 8
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("left", ["timed-out", "cancelled"])
+def test_an_interrupt_inside_an_async_pinning_lookups_call_its_caller_left_gives_its_session_up(
+    daemon, left
+):
+    """The same exception, as gRPC's aio call takes the answer in, where the caller no
+    longer waits: its time ran out (the call runs on ``ANSWER_GRACE_S`` more) or its task was
+    cancelled, while the Lookup waited unsent. The Lookup's task ends with it, awaited by
+    nobody, and its done callback (``_settle_when_answered``) must give the session up as
+    the caller's handler does. Untested before: with that callback releasing an answered
+    lease only (as before e549e57), every other test passed, and the lease held the blocks
+    for 600 s in the session the client kept."""
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool, session, keys = await stored_pool(client, shm)
+                go_on = hold_lookups(client)
+                if left == "timed-out":
+                    with pytest.raises(DeadlineExceededError):
+                        await client.lookup(keys, pin=True, lease_ms=LEASE_MS, timeout_s=0.2)
+                else:
+                    caller = asyncio.create_task(client.lookup(keys, pin=True, lease_ms=LEASE_MS))
+                    while client._slots.held < 1:
+                        await asyncio.sleep(0.01)
+                    caller.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await caller
+                (lookup,) = client._unanswered  # the Lookup, running on
+                await interrupted_in_call("grpc-answer", go_on, lookup)
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
                 assert await client.session() != session
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
