@@ -26,6 +26,7 @@ from kvtier.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     Resends,
+    UnauthenticatedError,
     UnavailableError,
     closed_error,
     from_rpc_error,
@@ -529,6 +530,23 @@ class AsyncClient:
 
     async def _register(self, binding: PoolBinding) -> None:
         await self._unregister_unconfirmed()
+        try:
+            request, resp = await self._send_registration(binding)
+        except UnauthenticatedError:
+            if not binding.hands_over_fd:
+                raise
+            # Sent again in a new session (``_invoke``) with the ticket that the first run
+            # spent: where the session ended as the memory was mapped, the daemon gives the
+            # ticket back if it ended the session itself (a reload), not if the client did
+            # (``_give_up_session`` cancels the session's stream). Made again, with a new one.
+            request, resp = await self._send_registration(binding)
+        binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+        binding.sealed = resp.sealed
+        binding.session_id = request.session_id
+        self._pools[resp.pool_id] = binding
+
+    async def _send_registration(self, binding: PoolBinding) -> tuple[Any, Any]:
+        """See ``Client._send_registration``."""
         ticket = b""
         if binding.hands_over_fd:
             path = credentials.cred_socket_path(self.address)
@@ -536,11 +554,7 @@ class AsyncClient:
                 raise no_fd_transport(self.address)
             ticket = await _off_loop(_pool_ticket, binding, path, self.timeout_s)
         request = binding.register_request(ticket)
-        resp = await self._invoke("RegisterPool", request)
-        binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
-        binding.sealed = resp.sealed
-        binding.session_id = request.session_id
-        self._pools[resp.pool_id] = binding
+        return request, await self._invoke("RegisterPool", request)
 
     @property
     def stub(self) -> pb_grpc.KVTierStub:

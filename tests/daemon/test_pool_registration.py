@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import (
+    AsyncClient,
     Client,
     FailedPreconditionError,
     NotFoundError,
@@ -304,6 +305,44 @@ async def test_regression_a_register_pool_whose_session_the_daemon_ended_while_m
             assert left_in_this_process(name) == []
 
         await asyncio.to_thread(clients, daemon.addresses[0])
+        assert len(daemon.pools) == 0 and len(daemon.tickets) == 0
+
+
+async def test_regression_an_async_register_pool_whose_session_its_client_gave_up_was_refused(
+    held,
+):
+    """AsyncClient gives its session up (``_give_up_session``, after an interrupt ended a
+    pinning Lookup's call) by cancelling the session's stream while its memfd pool is being
+    mapped. The daemon ends the session as its client's (``SessionGone``, the ticket spent
+    and its fd closed, as for a client that closed), and the client sent the registration
+    again in its new session with the same ticket: refused UNAUTHENTICATED ("the credential
+    ticket is unknown, already used or expired"; a 1 GiB pool registered while the session
+    was given up failed so). It is now sent again with a new ticket."""
+
+    async with running_daemon(held) as daemon:
+
+        async def engine_side(address: str) -> None:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                name = shm.name
+                async with AsyncClient(address) as engine:
+                    first = await engine.session()
+                    registering = asyncio.create_task(engine.register_pool(shm, LAYOUT))
+                    try:
+                        await asyncio.to_thread(held.wait_entered)
+                        engine._give_up_session(first)
+                        ended = lambda: daemon.sessions.session_count == 0  # noqa: E731
+                        await asyncio.to_thread(wait_until, ended, "session ended")
+                    finally:
+                        held.release.set()
+                    pool = await registering
+                    assert await engine.session() != first
+                    check = await engine.check()
+                    assert check.problems == [] and check.pools == 1
+                    await engine.unregister_pool(pool.pool_id)
+                assert len(held.buffers) == 2 and all(b.closed for b in held.buffers)
+            assert left_in_this_process(name) == []
+
+        await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
         assert len(daemon.pools) == 0 and len(daemon.tickets) == 0
 
 
