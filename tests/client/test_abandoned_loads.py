@@ -589,3 +589,43 @@ def test_an_interrupt_inside_an_async_pinning_lookups_call_its_caller_left_gives
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_an_interrupt_inside_a_pinning_lookups_call_of_a_session_given_up_keeps_the_next(daemon):
+    """A pinning Lookup answered in a session the client has given up since (another Lookup's
+    interrupt, here ``_give_up_session`` called as it does), whose call an interrupt then
+    ends: its lease went with that session, and the session the client opened since, with
+    a lease of its own, is kept (``_give_up_session`` gives up only the open session it is
+    named). Untested before: with that check gone, every other test passed, and the new
+    session was given up with its lease."""
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                _, first, keys = await stored_pool(client, shm)
+                lookup, pinned, go_on = client._stub.Lookup, asyncio.Event(), asyncio.Event()
+
+                async def answered_then_interrupted(request: Any, **kwargs: Any) -> Any:
+                    client._stub.Lookup = lookup  # the next Lookups are the daemon's own
+                    assert (await lookup(request, **kwargs)).lease_id
+                    pinned.set()
+                    await go_on.wait()
+                    raise SignalHandlerError  # inside the call, its answer taken in
+
+                client._stub.Lookup = answered_then_interrupted
+                interrupted = asyncio.create_task(client.lookup(keys, pin=True, lease_ms=LEASE_MS))
+                await pinned.wait()
+                client._give_up_session(first)
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                kept = await client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                second = await client.session()
+                assert second != first and kept.lease_id
+                go_on.set()
+                with pytest.raises(SignalHandlerError):
+                    await interrupted
+                assert await client.session() == second
+                await client.release(kept.lease_id)  # NotFoundError had the session gone
+                assert (await client.stats()).gauges["leases"] == 0
+
+    asyncio.run(main())
