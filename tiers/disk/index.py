@@ -305,11 +305,12 @@ class DiskIndex:
         self._clock = clock
         self._count: Callable[..., None] = count or _count_nothing
         self._unrestorable = ""  # why an index removed while open could not be written back
-        self._closed = False  # ``close`` was called
-        # While ``_check_files`` has the connection closed to start a new WAL: an ``O_PATH``
-        # descriptor of the index file it closed, which keeps that file's inode (and so its
-        # number: ``_reopen`` compares it) from going to another file. ``O_PATH``: closing it
-        # does not drop the process's POSIX locks on the file, as closing any other would.
+        # While ``_check_files`` has the connection closed to start a new WAL, until the open
+        # (``_reopen``) at its next use succeeds: an ``O_PATH`` descriptor of the index file
+        # it closed, which keeps that file's inode (and so its number: ``_reopen`` compares
+        # it) from going to another file. ``O_PATH``: closing it does not drop the process's
+        # POSIX locks on the file, as closing any other would. No connection and nothing
+        # held: the index is closed for good (``close``, or a write-back that failed).
         self._held: int | None = None
         # Namespace records whose commit failed (ns -> label; None: the record dropped, by
         # ``forget``): made by the next commit.
@@ -632,7 +633,6 @@ class DiskIndex:
                     self._db.close()
                 self._db = None
             self._let_go()
-            self._closed = True
 
     def _file_ids(self) -> tuple[FileId, FileId]:
         """(device, inode) of the index file and of its WAL as their paths name them now."""
@@ -795,10 +795,10 @@ class DiskIndex:
         """The connection; opened again where ``_check_files`` closed it to start a new WAL
         and its open failed (no room to make the WAL: ``IndexNoRoom``), which the next use
         tries again (raising as that open does), so a full disk's fault ends once room is
-        back. Closed by ``close``, or with an index that could not be written back, it stays
-        closed."""
+        back. Closed by ``close``, or with an index that could not be written back, nothing is
+        held (``_held``) and it stays closed."""
         if self._db is None:
-            if self._closed or self._unrestorable:
+            if self._held is None:
                 raise sqlite3.ProgrammingError("the L2 index is closed")
             return self._reopen()
         return self._db
