@@ -831,6 +831,43 @@ def test_regression_a_wal_made_again_out_of_inodes_raised_a_raw_oserror_from_wri
         assert "ENOSPC" in degraded.detail
 
 
+def test_regression_a_wal_that_could_not_be_made_again_for_an_io_error_raised_it_raw(
+    tmp_path: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index's WAL removed while the tier runs (another connection open, so the old
+    files stay), and its remake at the commit's reopen failing other than for room (EIO
+    here; EACCES, EROFS alike): the OSError went raw out of ``DiskTier.write``, which only
+    sqlite3 errors are handled around, as 3f9d1c3 found for ENOSPC. The write now fails its
+    blocks and degrades the tier by an I/O fault, the index file keeping what it held."""
+    directory = tmp_path / "l2"
+    index = directory / "index.sqlite3"
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        first = _allocate(tier, make_block, 0, 4)
+        assert all(o.ok for o in persist(tier, first))
+        other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+        try:
+            other.execute("SELECT count(*) FROM meta").fetchall()
+            Path(f"{index}-wal").unlink()
+            real_open = os.open
+
+            def failing_wal(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+                if str(path).endswith("-wal") and flags & os.O_CREAT:
+                    raise OSError(errno.EIO, "Input/output error", str(path))
+                return real_open(path, flags, *args, **kwargs)
+
+            monkeypatch.setattr(os, "open", failing_wal)
+            outs = persist(tier, _allocate(tier, make_block, 4, 8))
+            monkeypatch.undo()
+        finally:
+            other.close()
+        assert not any(o.ok for o in outs)
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO
+        assert "cannot be opened again for a new WAL (Input/output error)" in health.detail
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in first}
+
+
 def test_regression_a_wal_that_found_no_inode_to_be_made_again_left_the_index_closed(
     small_fs: Path, make_block: Block
 ) -> None:

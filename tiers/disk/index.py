@@ -837,21 +837,25 @@ class DiskIndex:
         ``IndexFilesReplaced`` (each time, the file still held), rather than being taken for
         the tier's own, or made again empty, as the open would; nothing can write a removed
         one back, its connection closed. Where the open fails (``IndexNoRoom``: no inode for
-        the new WAL), the next use tries again. Called holding ``_lock``."""
+        the new WAL; an ``sqlite3.OperationalError`` for any other OSError, EIO or EACCES
+        making the WAL, which callers handle as they do SQLite's own), the next use tries
+        again. Called holding ``_lock``."""
         try:
             found = self._file_ids()[0]
+            if found != self._ids[0]:
+                raise IndexFilesReplaced(
+                    f"{self.path} was {'removed' if found is None else 'replaced'} while its "
+                    "connection was closed to start a new WAL: its commits would be lost at "
+                    "the next start"
+                )
+            self._db = db = self._connect()
+            self._let_go()  # the connection holds the file now
+            # The index file's id as checked: one replaced since is found by the next check.
+            self._ids = (found, self._file_ids()[1])
         except OSError as e:
-            raise sqlite3.OperationalError(f"{self.path} cannot be checked ({e.strerror})") from e
-        if found != self._ids[0]:
-            raise IndexFilesReplaced(
-                f"{self.path} was {'removed' if found is None else 'replaced'} while its "
-                "connection was closed to start a new WAL: its commits would be lost at the "
-                "next start"
-            )
-        self._db = db = self._connect()
-        self._let_go()  # the connection holds the file now
-        # The index file's id as checked: one replaced since is found by the next check.
-        self._ids = (found, self._file_ids()[1])
+            raise sqlite3.OperationalError(
+                f"{self.path} cannot be opened again for a new WAL ({e.strerror})"
+            ) from e
         return db
 
     def _open(self) -> sqlite3.Connection | None:
