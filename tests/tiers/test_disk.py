@@ -2080,8 +2080,9 @@ def test_regression_an_index_removed_before_recovery_reads_it_is_written_back_no
     daemon reads them after its socket opens): recovery's reader, opened read-write, created
     an empty file in its place, so recovery failed (no such table: blocks), the next commit
     took the empty file for a replaced index and degraded the tier for good, and the restart
-    found it without metadata and started empty: every block lost. The reader is now opened
-    read-only, after the removed index is written back as a commit would."""
+    found it without metadata and started empty: every block lost. The removed index is now
+    written back first, as a commit would, and recovery reads its rows through the tier's own
+    connection."""
     with _open(disk_dir) as tier:
         before = _persist(tier, make_block, list(range(5)), 4096)
     tier = _open(disk_dir, recover_later=True)
@@ -2124,6 +2125,34 @@ def test_an_index_removed_before_recovery_that_cannot_be_written_back_still_reco
         shutil.rmtree(in_the_way)
     with _open(disk_dir) as again:
         assert _recovered_keys(again) == {b[0] for b in before.values()}
+
+
+def test_regression_a_wal_removed_while_recovery_read_the_index_made_commits_wait_for_its_reader(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery streamed the rows through a second, read-only connection of the daemon's,
+    its read transaction open from the first chunk to the last. A WAL removed meanwhile
+    could not be checkpointed until that read ended, so every commit (a removal of a block
+    handed over already, a quarantine) waited out the busy timeout (30 s) holding the index,
+    then failed as "another process holds it", the daemon's own reader being that one. The
+    rows are now read a chunk at a time through the tier's own connection, and the removal
+    between two chunks commits."""
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(4)), 4096)
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, recover_later=True) as tier:
+        tier._idx().remember(7, "tenant")  # a commit: the reader then reads the WAL too
+        chunks = tier.recover_chunks(rows=2)
+        first = next(chunks)
+        (disk_dir / "index.sqlite3-wal").unlink()
+        gone = int(first.slots[0])
+        assert tier.remove([gone]), tier.health()
+        rest = list(chunks)
+        assert sum(len(c) for c in rest) == 2
+        assert tier.health().state == Health.OK
+    with _open(disk_dir) as again:
+        kept = {b[0] for b in before.values() if b[1] != gone}
+        assert _recovered_keys(again) == kept and len(kept) == 3
 
 
 def _watches() -> list[threading.Thread]:

@@ -52,10 +52,11 @@ by the tier's watch, which calls ``check_files`` between commits (every ``index_
 the tier: a stat of the two files when nothing changed, no lock and no SQLite; the commit's
 check when something did), so a crash while the tier is idle loses nothing either; and by
 ``close``. A write-back that the daemon's end cut short after its copy was synced is
-finished at the next open (``_finish_restore``). Recovery's reader (``reader``) checks the
-files as a commit does before it opens the index file, read-only: an index removed before
-recovery read it is written back, never created empty in its place (which the next commit
-would take for a replaced index). Where it cannot be written back, and where the index file
+finished at the next open (``_finish_restore``). Recovery reads the rows through the same
+connection, a chunk at a time between commits (``rows_after``), its files checked first (the
+tier calls ``check_files``): an index removed before recovery read it is written back, and no
+second connection of the process shares this one's locks and shared memory (SQLite keeps one
+of each per file in a process). Where it cannot be written back, and where the index file
 was replaced by another, the commit fails (``IndexFilesReplaced``), which degrades the tier
 for good; a block commit's rows are deleted again first, as ``close`` may yet write the index
 back.
@@ -348,19 +349,24 @@ class DiskIndex:
             rows = self._conn().execute("SELECT slot, reason, at FROM quarantine").fetchall()
         return {int(slot): (str(reason), float(at)) for slot, reason, at in rows}
 
-    def reader(self) -> sqlite3.Connection:
-        """A read-only connection to the index file, for reading its rows beside this one
-        (recovery streams them while the tier commits). Its files are checked first as
-        before a write (``_check_files``): an index file removed since the open is written
-        back, a removed WAL checkpointed. Opened read-only, so a file removed after that
-        check fails the open (``sqlite3.OperationalError``, SQLITE_CANTOPEN) rather than being
-        created empty in its place, which the next commit would take for a replaced index
-        (``IndexFilesReplaced``, a lasting fault). Raises ``IndexFilesReplaced`` where a
-        removed index cannot be written back."""
+    def rows_after(self, slot: int, count: int) -> list[BlockRow]:
+        """Up to ``count`` block rows of the slots above ``slot``, in slot order (a range of
+        the table's key). Recovery reads the rows so, a chunk at a time through this
+        connection, commits going on between chunks, rather than streaming them through a
+        second connection of this process: SQLite shares one set of locks and one shared
+        memory per file in a process, so a reopen for a new WAL (``_check_files``) beside that
+        reader mapped the removed WAL's shared memory, ``_connect``'s own open and close of
+        the files dropped the reader's locks, and a removed WAL's checkpoint waited out the
+        busy timeout for the reader's read transaction, holding the index."""
         with self._lock:
-            self._check_files(self._conn())
-            return sqlite3.connect(
-                f"{self.path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False
+            return (
+                self._conn()
+                .execute(
+                    "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks "
+                    "WHERE slot > ? ORDER BY slot LIMIT ?",
+                    (slot, count),
+                )
+                .fetchall()
             )
 
     def namespaces(self) -> dict[int, str]:

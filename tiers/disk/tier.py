@@ -1292,42 +1292,24 @@ class DiskTier:
         )
 
     def _index_rows(self, rows: int) -> Generator[list[BlockRow], None, None]:
-        """The index's block rows, ``rows`` at a time, read through a read-only connection
-        of their own (``DiskIndex.reader``: an index file removed since the open is first
-        written back, as a commit would). Where that connection cannot be opened (the file
-        removed again meanwhile, or not written back, which degrades the tier as it does at
-        a commit), through the tier's own connection, which holds the same database whether
-        or not its path still names it: a file removed again is written back at the next
-        check (a commit's, the watch's or ``close``'s); after a write-back that failed, only
-        ``close`` tries again. Raises where that read fails too (the index closed), as a read
-        failing midway does."""
+        """The index's block rows, ``rows`` at a time in slot order, each chunk read through
+        the tier's own connection between commits (``DiskIndex.rows_after``), which holds the
+        same database whether or not its path still names it. The files are checked first, as
+        by the watch: an index file removed since the open is written back; one that cannot
+        be, degrading the tier as at a commit, is read all the same (only ``close`` tries the
+        write-back again). Raises where a read fails (the index closed: its write-back failed,
+        or its reopen after a WAL made again found no room), as a read failing midway does."""
         index = self._idx()
         try:
-            reader = index.reader()
-        except sqlite3.Error as e:
-            if isinstance(e, IndexFilesReplaced):
-                self.faults.fault(classify(e), "index read")
-            log.warning(
-                "L2 recovery reads the index %s through the tier's own connection: a "
-                "read-only one could not be opened (%s)",
-                index.path,
-                classify(e).detail,
-            )
-            # Where this fails too (the index closed: its write-back failed, or its reopen
-            # after a WAL made again found no room, which the next commit tries again), it
-            # raises as a read failing midway does: no slot is handed out until a restart.
-            _, found = index.load()
-            for start in range(0, len(found), rows):
-                yield found[start : start + rows]
-            return
-        try:
-            cursor = reader.execute(
-                "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
-            )
-            while chunk := cursor.fetchmany(rows):
-                yield chunk
-        finally:
-            reader.close()
+            index.check_files()
+        except IndexFilesReplaced as e:
+            self.faults.fault(classify(e), "index read")
+        except sqlite3.Error:
+            pass  # found again by the next commit's check, or the watch's
+        after = -1
+        while chunk := index.rows_after(after, rows):
+            yield chunk
+            after = chunk[-1][2]
 
     def recover(self) -> RecoveredBlocks:
         """Every block ``recover_chunks`` hands over, at once."""
