@@ -366,8 +366,7 @@ class TransferPlan:
             self._done[0, sl] = held
             if self._persisted is not None and len(response.persisted) == part.nkeys:
                 self._persisted[sl] = held & np.asarray(response.persisted, dtype=bool)
-            chain = self._blocked[part.chain]
-            chain.pop()
+            self._take_off_chain(part)
             if not held.all():
                 self._close_chain(part.chain)
         self._end(part)
@@ -380,7 +379,7 @@ class TransferPlan:
         if error.code not in _CLEAN_CODES:
             self.dirty = True
         if self.kind is JobKind.SAVE:
-            self._blocked[part.chain].pop()
+            self._take_off_chain(part)
             self._close_chain(part.chain)
         self._end(part)
 
@@ -398,12 +397,30 @@ class TransferPlan:
                 self._end(p)
         return in_flight
 
+    # A signal handler's exception (a KeyboardInterrupt) may land anywhere in ``complete``,
+    # before its part has ended; both drivers then ``fail`` the part. So each step that ends
+    # a part is done once only, whatever ran of it before: a ``complete`` cut short after its
+    # chain's pop had that ``fail`` pop the chain's next batch (or an empty chain:
+    # IndexError), and one cut short inside ``_close_chain`` had lost the parts not yet
+    # ended there; never ended, they kept the job RUNNING for good.
+
+    def _take_off_chain(self, part: Part) -> None:
+        """Take ``part``, its chain's batch in flight, off the chain (once)."""
+        chain = self._blocked.get(part.chain)
+        if chain and chain[-1] is part:
+            chain.pop()
+
     def _close_chain(self, chain: int) -> None:
-        for p in self._blocked.pop(chain, []):
-            p.sent = True  # never sent: the chain stopped before it
-            self._end(p)
+        parts = self._blocked.get(chain, [])
+        while parts:
+            parts[-1].sent = True  # never sent: the chain stopped before it
+            self._end(parts[-1])
+            parts.pop()
+        self._blocked.pop(chain, None)
 
     def _end(self, part: Part) -> None:
+        if part.ended:
+            return
         part.ended = True
         self._open -= 1
         if self.kind is JobKind.LOAD:

@@ -125,6 +125,48 @@ def test_a_durable_save_plan_reports_which_held_keys_are_on_disk():
     assert plain.status().persisted is None
 
 
+@pytest.mark.parametrize(
+    "results, nth",
+    [
+        ([pb.PUT_STORED, pb.PUT_STORED], 1),  # at the part's own end, its chain popped
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 1),  # inside the stopped chain's close
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 2),
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 3),  # at the part's own end, the chain closed
+    ],
+    ids=["stored", "full-closing", "full-closing-midway", "full-closed"],
+)
+def test_regression_a_save_part_whose_answer_an_interrupt_cut_short_never_ended(
+    monkeypatch, results, nth
+):
+    """A signal handler's exception that lands in ``complete`` of a save's part before the
+    part ended (injected at the ``nth`` end of a part it makes; a fuzz of the asyncio
+    client's interrupts hit it in numpy's ``held.all()``, after the chain's pop) has both
+    drivers ``fail`` the part. Before, that popped the chain again, taking off its next
+    batch (IndexError where none was left), or found the chain's parts gone with a close cut
+    short midway (KeyError once closed): those parts never ended, and the job stayed RUNNING
+    for good. Each step is now done once, whatever ran of it: the job ends FAILED."""
+    keys = keys_for(5, "plan-interrupted")
+    plan = TransferPlan.for_save([SaveSegment(keys, range(5))], max_batch=2)
+    (part,) = plan.take_ready()
+    end, ends = TransferPlan._end, []
+
+    def cut_short(self: TransferPlan, ended: object) -> None:
+        ends.append(ended)
+        if len(ends) == nth:
+            monkeypatch.setattr(TransferPlan, "_end", end)
+            raise SignalHandlerError
+        end(self, ended)
+
+    monkeypatch.setattr(TransferPlan, "_end", cut_short)
+    with pytest.raises(SignalHandlerError):
+        plan.complete(part, pb.PutResponse(results=results))
+    plan.fail(part, InternalError("interrupted in the client"))  # as both drivers do
+    assert plan.take_ready() == []
+    status = plan.status()
+    assert status.finished and status.state is JobState.FAILED, status
+    assert not status.done[2:].any()
+
+
 def test_load_plan_tracks_layers_and_failures():
     keys = keys_for(3, "plan-load")
     plan = TransferPlan.for_load([LoadSegment(keys, [0, 1, 2])], 4, max_batch=8, groups=2)
