@@ -909,7 +909,23 @@ class AsyncTransferJob:
         for part in parts:
             part.request.session_id = session_id
             part.request.pool_id = pool_id
-            self._tasks[part.index] = asyncio.create_task(self._run(part))
+            task = asyncio.create_task(self._run(part))
+            task.add_done_callback(functools.partial(self._run_ended, part))
+            self._tasks[part.index] = task
+
+    def _run_ended(self, part: Part, task: asyncio.Task[None]) -> None:
+        """The end of a part's task (a done callback): a part still open there ended by what
+        a signal's handler raised as the task took its first step, at the entry of ``_run``,
+        before its try (where the interpreter first checks for signals in it), which kept
+        the job RUNNING for good. It fails as ``_run`` fails one (a client-side error), on a
+        task of its own: ``_ended`` awaits. Not for a cancel (the job's ends its parts
+        first; the loop's own at its end has no later step to run that task)."""
+        if part.ended or task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:  # held as the part's task, which ``_ended`` drops
+            ending = self._ended(part, None, _client_side_error(part, error))
+            self._tasks[part.index] = asyncio.ensure_future(ending)
 
     async def _run(self, part: Part) -> None:
         try:

@@ -806,6 +806,36 @@ def test_regression_an_async_job_part_whose_answer_a_signal_handler_interrupted_
     asyncio.run(main())
 
 
+@pytest.mark.timeout(30)
+def test_regression_an_async_job_part_interrupted_as_its_task_began_never_ended(daemon):
+    """The same exception landing as the part's task takes its first step, at the entry of
+    ``_run`` (injected there by a trace function: where the interpreter first checks for
+    signals in it), before its try: the task ended with it, the part never ended, and the
+    job stayed RUNNING for good (a fuzz of the asyncio client's interrupts: 1 job of some
+    260). The part's task's end now ends a part still open, as a client-side error."""
+    keys = keys_for(1, "slots-async-part-start-interrupted")
+    landed: list[bool] = []
+
+    def interrupt(frame, event: str, arg):
+        if event == "call" and frame.f_code is jobs.AsyncTransferJob._run.__code__:
+            sys.settrace(None)
+            landed.append(True)
+            raise SignalHandlerError
+        return None
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT)
+                job = await client.submit_save(pool, [SaveSegment(keys, [0])])
+                (part,) = job._tasks.values()
+                await raises_traced(part, interrupt, SignalHandlerError)
+                assert landed
+                await ended_failed_in_the_client(job, client, keys, stored=0)
+
+    asyncio.run(main())
+
+
 def test_regression_an_interrupt_as_an_async_wait_s_timer_was_set_logged_its_expiry_failing():
     """A KeyboardInterrupt that a signal's handler raises as the wait's timer is scheduled
     (where the interpreter checks for signals, once ``call_at`` has pushed it on the loop's
