@@ -554,7 +554,17 @@ class AsyncClient:
                 raise no_fd_transport(self.address)
             ticket = await _off_loop(_pool_ticket, binding, path, self.timeout_s)
         request = binding.register_request(ticket)
-        return request, await self._invoke("RegisterPool", request)
+        try:
+            return request, await self._invoke("RegisterPool", request)
+        except NOT_INTERRUPTS:
+            raise
+        except BaseException:
+            # An interrupt (see ``_settle_pinned``) once the daemon may have registered the
+            # pool: its id lost, the pool stayed the session's, and each registration again
+            # added one, until ``server.max_pools_per_session`` refused them. The session's
+            # end frees it.
+            self._give_up_session(request.session_id)
+            raise
 
     @property
     def stub(self) -> pb_grpc.KVTierStub:

@@ -41,6 +41,7 @@ from kvtier.client import (
 from kvtier.client import types as client_types
 from kvtier.client.aio import AsyncRegisteredPool
 from kvtier.client.slots import AsyncCallSlots
+from kvtier.proto import kvtier_pb2 as pb
 
 NS = Namespace(model="abandoned-loads", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -465,6 +466,19 @@ class SignalHandlerError(BaseException):
     KeyboardInterrupt goes on out of the loop, which pytest's process does not outlive."""
 
 
+def noting_landed(trace: Any, landed: list[bool]) -> Any:
+    """``trace``, noting in ``landed`` the SignalHandlerError it raises."""
+
+    def landing(frame: FrameType, event: str, arg: Any) -> Any:
+        try:
+            return trace(frame, event, arg)
+        except SignalHandlerError:
+            landed.append(True)
+            raise
+
+    return landing
+
+
 async def interrupted_in_call(at: str, go_on: asyncio.Event, task: asyncio.Task[Any]) -> None:
     """Let the Lookups held by ``hold_lookups`` (``go_on``) go on under a trace that raises
     SignalHandlerError inside a pinning Lookup's call once the daemon has answered: as gRPC's
@@ -483,13 +497,7 @@ async def interrupted_in_call(at: str, go_on: asyncio.Event, task: asyncio.Task[
             AsyncCallSlots.release.__code__, 1, SignalHandlerError, AsyncClient._until_run.__code__
         ),
     }[at]()
-
-    def landing(frame: FrameType, event: str, arg: Any) -> Any:
-        try:
-            return trace(frame, event, arg)
-        except SignalHandlerError:
-            landed.append(True)
-            raise
+    landing = noting_landed(trace, landed)
 
     sys.settrace(landing)
     try:
@@ -627,5 +635,88 @@ def test_an_interrupt_inside_a_pinning_lookups_call_of_a_session_given_up_keeps_
                 assert await client.session() == second
                 await client.release(kept.lease_id)  # NotFoundError had the session gone
                 assert (await client.stats()).gauges["leases"] == 0
+
+    asyncio.run(main())
+
+
+def settled_pools(stats: Any, pools: float) -> float:
+    """The daemon's pools once it has ended the sessions given up (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while (held := stats().gauges["pools"]) != pools and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return held  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(90)
+def test_regression_an_interrupt_inside_an_async_registration_s_call_kept_its_pool(daemon):
+    """An exception that a signal's handler raises in the loop inside a RegisterPool's gRPC
+    call once the daemon has answered (injected as gRPC's aio call takes the answer in):
+    the pool's id was lost with the call's task, and the client kept its session, where the
+    daemon kept the pool until the session's end; each registration again added one (a fuzz
+    of random SIGALRMs found a session holding 7 pools for the client's 1), until
+    ``server.max_pools_per_session`` refused them. The client now gives that session up."""
+    landed: list[bool] = []
+    trace = at_entry(
+        grpc_common.deserialize.__code__,
+        1,
+        SignalHandlerError,
+        grpc_aio_call.UnaryUnaryCall._invoke.__code__,
+    )
+    landing = noting_landed(trace, landed)
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                await client.session()
+                sys.settrace(landing)
+                try:
+                    with pytest.raises(SignalHandlerError):
+                        await client.register_pool(shm, LAYOUT, NS)
+                finally:
+                    sys.settrace(None)
+                assert landed
+                pool = await client.register_pool(shm, LAYOUT, NS)
+                assert await pool.store(TOKENS, [0, 1]) == 8
+                stats = lambda: _stats(daemon)  # noqa: E731
+                assert await asyncio.to_thread(settled_pools, stats, 1) == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_regression_an_interrupt_inside_an_async_release_sent_without_waiting_kept_its_pin(
+    daemon,
+):
+    """An exception that a signal's handler raises in the loop inside a Release the client
+    sends without waiting (``_send_release``: the lease of an answer its caller never read)
+    before the call is sent (injected at the entry of ``call``): the lease, whose id only the
+    client had, stayed pinned in the session the client kept until it expired (a fuzz of
+    random SIGALRMs: 2 leases, 8 blocks pinned, before the client's close). The client now
+    gives that session up, whose end frees the lease."""
+    landed: list[bool] = []
+    trace = at_entry(
+        AsyncClient.call.__code__, 1, SignalHandlerError, AsyncClient._release_nowait.__code__
+    )
+    landing = noting_landed(trace, landed)
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool, session, keys = await stored_pool(client, shm)
+                lease = await client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                assert lease.lease_id
+                request = client_types.build_request(pb.ReleaseRequest, lease_id=lease.lease_id)
+                sys.settrace(landing)
+                try:
+                    client._send_release(request)
+                    (release,) = client._unanswered
+                    with pytest.raises(SignalHandlerError):
+                        await release
+                finally:
+                    sys.settrace(None)
+                assert landed
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                assert await client.session() != session
+                assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
