@@ -525,8 +525,16 @@ class AsyncClient:
             task.add_done_callback(self._unanswered.discard)
 
     async def _release_nowait(self, request: pb.ReleaseRequest) -> None:
-        with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, DeadlineExceededError):
-            await self.call("Release", request, self.timeout_s)
+        try:
+            with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, DeadlineExceededError):
+                await self.call("Release", request, self.timeout_s)
+        except NOT_INTERRUPTS:
+            raise
+        except BaseException:
+            # An interrupt (see ``_settle_pinned``): the lease, whose id only the client had,
+            # stayed pinned in the session it kept until the lease expired. Its end frees it.
+            self._give_up_session(request.session_id)
+            raise
 
     async def _register(self, binding: PoolBinding) -> None:
         await self._unregister_unconfirmed()
