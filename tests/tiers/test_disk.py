@@ -913,6 +913,27 @@ def test_rows_that_do_not_fit_are_dropped(disk_dir: Path, make_block: Block) -> 
         assert tier.stats().counters["recovery_dropped_rows"] == 2
 
 
+def test_regression_a_row_of_a_negative_slot_was_never_read_by_recovery(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """aaf30f3 read the rows from above slot -1 only (``rows_after(-1, n)``), so a row of a
+    negative slot (an index edited by hand, or damaged) was never read: not counted as a
+    bad row, not dropped, left in the index at every start. Recovery reads every row."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [1, 2], 4096)
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    with db:
+        db.execute("INSERT INTO blocks VALUES (1, ?, -5, 4096, 0, 0)", (b"z" * 32,))
+    db.close()
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[1][0], blocks[2][0]}
+        assert tier.stats().counters["recovery_dropped_rows"] == 1
+        assert tier.lost_at_recovery == {"bad_row": 1}
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    assert db.execute("SELECT count(*) FROM blocks WHERE slot < 0").fetchone() == (0,)
+    db.close()
+
+
 def test_regression_one_row_with_a_short_key_lost_every_block_of_its_chunk(
     disk_dir: Path, make_block: Block
 ) -> None:

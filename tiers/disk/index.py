@@ -349,8 +349,9 @@ class DiskIndex:
             rows = self._conn().execute("SELECT slot, reason, at FROM quarantine").fetchall()
         return {int(slot): (str(reason), float(at)) for slot, reason, at in rows}
 
-    def rows_after(self, slot: int, count: int) -> list[BlockRow]:
-        """Up to ``count`` block rows of the slots above ``slot``, in slot order (a range of
+    def rows_after(self, slot: int | None, count: int) -> list[BlockRow]:
+        """Up to ``count`` block rows of the slots above ``slot`` (None: from the first, a
+        negative slot's row too, which recovery drops as bad), in slot order (a range of
         the table's key). Recovery reads the rows so, a chunk at a time through this
         connection, commits going on between chunks, rather than streaming them through a
         second connection of this process: SQLite shares one set of locks and one shared
@@ -358,16 +359,14 @@ class DiskIndex:
         reader mapped the removed WAL's shared memory, ``_connect``'s own open and close of
         the files dropped the reader's locks, and a removed WAL's checkpoint waited out the
         busy timeout for the reader's read transaction, holding the index."""
+        select = "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
         with self._lock:
-            return (
-                self._conn()
-                .execute(
-                    "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks "
-                    "WHERE slot > ? ORDER BY slot LIMIT ?",
-                    (slot, count),
-                )
-                .fetchall()
-            )
+            db = self._conn()
+            if slot is None:
+                return db.execute(f"{select} ORDER BY slot LIMIT ?", (count,)).fetchall()
+            return db.execute(
+                f"{select} WHERE slot > ? ORDER BY slot LIMIT ?", (slot, count)
+            ).fetchall()
 
     def namespaces(self) -> dict[int, str]:
         """The labels the tier's owner recorded for namespace ids (``remember``)."""

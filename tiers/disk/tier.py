@@ -1306,7 +1306,7 @@ class DiskTier:
             self.faults.fault(classify(e), "index read")
         except sqlite3.Error:
             pass  # found again by the next commit's check, or the watch's
-        after = -1
+        after: int | None = None
         while chunk := index.rows_after(after, rows):
             yield chunk
             after = chunk[-1][2]
