@@ -941,6 +941,30 @@ def test_regression_a_recovery_after_a_failed_reopen_of_the_index_handed_its_row
         assert {r.key for r in tier.recover()} == {it.key for it in first}
 
 
+def test_a_wal_that_could_not_be_made_again_between_recovery_chunks_ends_recovery_there(
+    small_fs: Path, make_block: Block
+) -> None:
+    """Recovery reads a chunk at a time through the tier's own connection (aaf30f3): where
+    the watch's check closes it for a new WAL between two chunks and its reopen finds no
+    inode, the next chunk's read fails as a read failing partway does (README): the blocks
+    read before are served, nothing is handed out until a restart, which reads every row."""
+    directory = small_fs / "l2"
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        first = _allocate(tier, make_block, 0, 4)
+        assert all(o.ok for o in persist(tier, first))
+    with DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0, recover_later=True) as tier:
+        chunks = tier.recover_chunks(rows=2)
+        assert len(next(chunks)) == 2
+        with _wal_removed_out_of_inodes(small_fs) as inodes:
+            tier._check_index_files()  # the watch's check: its reopen finds no inode
+            assert list(chunks) == []
+            shutil.rmtree(inodes)
+        assert tier.allocator.allocate(4096) is None
+        assert "no new block until restart" in tier.health().detail
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in first}
+
+
 @pytest.mark.parametrize("how", ["replaced", "removed", "recreated"])
 def test_regression_an_index_file_replaced_while_its_reopen_waited_for_room_was_taken_up(
     small_fs: Path, make_block: Block, how: str
