@@ -79,6 +79,7 @@ from kvtier.tiers.base import (
     TierKind,
     TierUnavailable,
     WriteOutcomes,
+    written_after,
 )
 from kvtier.tiers.sizes import counted
 
@@ -2653,11 +2654,15 @@ class BlockStore:
                             self._ns_kept.setdefault(ns, owner)
                 chunks = level.slots.recover_chunks(RECOVERY_ROWS)
                 repeated: list[np.ndarray] = []
+                # Slots and write times of the rows handed over: a later chunk's row of a key
+                # indexed already is compared with them (references, no copy or work here).
+                earlier: list[tuple[np.ndarray, np.ndarray]] = []
                 while True:
                     chunk = await self.transfers.run(Priority.BACKGROUND, next, chunks, None)
                     if chunk is None:
                         break
-                    repeated.append(self._index_recovered(level, chunk))
+                    repeated.append(self._index_recovered(level, chunk, earlier))
+                    earlier.append((chunk.slots, chunk.written_at))
                     total += len(chunk)
                     await asyncio.sleep(0)
                 await self._drop_repeated(level, np.concatenate([np.empty(0, np.int64), *repeated]))
@@ -2678,15 +2683,23 @@ class BlockStore:
         if total:
             log.info("indexed %d recovered blocks in %.2fs", total, time.monotonic() - started)
 
-    def _index_recovered(self, level: Level, chunk: RecoveredBlocks) -> np.ndarray:
-        """Index a chunk of ``level``'s recovered blocks; returns the slots of rows that
-        repeat a key the level already holds (kept once: any copy holds the key's bytes)."""
+    def _index_recovered(
+        self,
+        level: Level,
+        chunk: RecoveredBlocks,
+        earlier: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    ) -> np.ndarray:
+        """Index a chunk of ``level``'s recovered blocks; returns the slots of the rows to
+        drop: of two rows of a key, the one written first (``written_after``), whether in
+        this chunk or in one ``earlier`` (its rows' slots and write times): a block deleted
+        or evicted where its slot was not freed may have been put again with other bytes. A
+        key the level holds from a row not among ``earlier`` keeps that copy."""
         table = self.table
         now_mono, now_wall = self._clock(), time.time()
-        first = chunk.first_of_each_key()
-        repeated = [np.delete(chunk.slots, first)] if len(first) < len(chunk) else []
+        latest = chunk.latest_of_each_key()
+        repeated = [np.delete(chunk.slots, latest)] if len(latest) < len(chunk) else []
         if repeated:
-            chunk = chunk.take(first)
+            chunk = chunk.take(latest)
         words = np.ascontiguousarray(chunk.keys).view(np.uint64).reshape(-1, 4)
         # Blocks another tier already has (recovered there, or put since this start) gain a
         # column, not a row.
@@ -2697,7 +2710,16 @@ class BlockStore:
         held = known >= 0
         held[held] = table.slot[known[held], level.col] >= 0
         if held.any():
-            repeated.append(chunk.slots[held])
+            at = np.flatnonzero(held)
+            bids, slots = known[at], table.slot[known[at], level.col]
+            newer = written_after(
+                chunk.written_at[at], chunk.slots[at], _written_at(slots, earlier), slots
+            )
+            repeated.append(np.where(newer, slots, chunk.slots[at]))
+            if newer.any():
+                rows = chunk.take(at[newer])
+                seen = now_mono - np.maximum(0.0, now_wall - rows.written_at)
+                self._replace_recovered(level, bids[newer], rows, seen)
             keep = np.flatnonzero(~held)
             chunk, words, known = chunk.take(keep), words[keep], known[keep]
         new = np.flatnonzero(known < 0)
@@ -2722,14 +2744,30 @@ class BlockStore:
             level.policy.insert(bid, when, -1)
         return np.concatenate(repeated) if repeated else np.empty(0, dtype=np.int64)
 
+    def _replace_recovered(
+        self, level: Level, bids: np.ndarray, rows: RecoveredBlocks, seen: np.ndarray
+    ) -> None:
+        """Give ``bids``' copies on ``level`` (an earlier chunk's rows) the slots of ``rows``,
+        written later (``_index_recovered``)."""
+        table = self.table
+        table.clear_slots(bids, level.col)
+        # A block with no other copy takes the row's size (its key put again with another
+        # layout); one with a copy elsewhere (a put under way) keeps its own.
+        alone = (table.slot[bids] < 0).all(axis=1)
+        table.nbytes[bids[alone]] = rows.nbytes[alone]
+        table.set_slots(bids, level.col, rows.slots)
+        table.set_checksums(bids, level.col, rows.checksums)
+        table.last_access[bids] = np.maximum(table.last_access[bids], seen)
+
     async def _drop_repeated(self, level: Level, slots: np.ndarray) -> None:
-        """Delete the rows (and free the slots) of recovered copies of a key ``level``
-        already indexed from another row (a fault between a key's two lives on the tier);
-        counted once freed, and where the tier refuses, tried again (``free_held``)."""
+        """Delete the rows (and free the slots) of recovered copies of a key that ``level``
+        indexed from another row, written later (a delete or eviction whose free the tier
+        refused, then a put of the key again); counted once freed, and where the tier
+        refuses, tried again (``free_held``)."""
         if not len(slots):
             return
         log.warning(
-            "%s: %d recovered rows repeat a key held in another slot; dropping those copies",
+            "%s: %d recovered rows repeat a key written later in another slot; dropping them",
             level.label,
             len(slots),
         )
@@ -2909,6 +2947,20 @@ def _naming_again(words: np.ndarray, first: np.ndarray, named: np.ndarray) -> np
     keys = {words[i].tobytes() for i in named.tolist()}
     later = np.flatnonzero(~first)
     return later[[words[i].tobytes() in keys for i in later.tolist()]]
+
+
+def _written_at(slots: np.ndarray, earlier: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """When the rows in ``slots`` were written, found among ``earlier`` (pairs of slots and
+    write times, no slot twice); infinity for a slot not there. Sorts every earlier row: for
+    a chunk that repeats a key only."""
+    if not earlier:
+        return np.full(len(slots), np.inf)
+    known = np.concatenate([s for s, _ in earlier])
+    written = np.concatenate([w for _, w in earlier])
+    order = np.argsort(known, kind="stable")
+    at = np.minimum(np.searchsorted(known, slots, sorter=order), len(order) - 1)
+    found = known[order[at]] == slots
+    return np.where(found, written[order[at]], np.inf)
 
 
 def _parts(n: int, block_bytes: int) -> list[tuple[int, int]]:

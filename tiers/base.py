@@ -447,11 +447,12 @@ class RecoveredBlocks:
         """The blocks at positions ``rows``."""
         return RecoveredBlocks(*(getattr(self, f)[rows] for f in _RECOVERED_FIELDS))
 
-    def first_of_each_key(self) -> np.ndarray:
-        """Positions of the first row of each distinct ``(ns, key)``, in order (a tier whose
-        index does not enforce one row per key may, after a fault, hand over two). A mixed
-        64-bit hash of each row is sorted; only rows whose hashes repeat are compared in
-        full, so a chunk without duplicates costs one sort."""
+    def latest_of_each_key(self) -> np.ndarray:
+        """Positions of one row of each distinct ``(ns, key)``, in order: the one written last
+        (``written_after``). A tier whose index does not enforce one row per key may hand over
+        two: a block deleted or evicted where its slot could not be freed, then its key put
+        again, perhaps with other bytes. A mixed 64-bit hash of each row is sorted; only rows
+        whose hashes repeat are compared in full, so a chunk without repeats costs one sort."""
         n = len(self)
         everything = np.arange(n)
         if n < 2:
@@ -466,13 +467,15 @@ class RecoveredBlocks:
         if not repeats.any():
             return everything
         suspects = np.unique(np.concatenate([order[1:][repeats], order[:-1][repeats]]))
-        seen: set[tuple[int, bytes]] = set()
-        keep = np.ones(n, dtype=bool)
+        latest: dict[tuple[int, bytes], int] = {}
         for i in suspects.tolist():
             key = (int(self.ns[i]), self.keys[i].tobytes())
-            if key in seen:
-                keep[i] = False
-            seen.add(key)
+            j = latest.setdefault(key, i)
+            if written_after(self.written_at[i], self.slots[i], self.written_at[j], self.slots[j]):
+                latest[key] = i
+        keep = np.ones(n, dtype=bool)
+        keep[suspects] = False
+        keep[list(latest.values())] = True
         return np.flatnonzero(keep)
 
     @classmethod
@@ -492,6 +495,15 @@ class RecoveredBlocks:
         if not parts:
             return cls.of([])
         return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _RECOVERED_FIELDS))
+
+
+def written_after(written_at: Any, slot: Any, other_written_at: Any, other_slot: Any) -> Any:
+    """Whether a key's row (``written_at``, ``slot``) was written after another of that key,
+    elementwise over arrays: the later ``written_at``; of two written at the same time, the
+    one in the higher slot (any rule that always answers the same would do)."""
+    return (written_at > other_written_at) | (
+        (written_at == other_written_at) & (slot > other_slot)
+    )
 
 
 _RECOVERED_FIELDS = ("ns", "keys", "slots", "nbytes", "checksums", "written_at")

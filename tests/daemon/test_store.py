@@ -2752,8 +2752,8 @@ async def test_a_restart_serves_while_the_disk_index_is_still_being_read(
     refused: list[bool] = []
     real = store._index_recovered
 
-    def spy(level, chunk):
-        repeated = real(level, chunk)
+    def spy(*args):
+        repeated = real(*args)
         seen.append(int((store.table.lookup(0, chain) >= 0).sum()))
         refused.append(disk.allocator.allocate(4096) is None)
         return repeated
@@ -2994,16 +2994,72 @@ async def test_recovered_blocks_keep_their_tenant(make_store):
     assert again.table.usage[1, again.owners["alice"]] == 4 * 4096
 
 
+@pytest.mark.parametrize("chunks", ["one chunk", "two chunks"])
+@pytest.mark.parametrize("newer", ["higher slot", "lower slot"])
+async def test_a_key_deleted_where_its_slot_was_not_freed_then_put_again_comes_back_as_put_last(
+    make_store, monkeypatch, chunks, newer
+):
+    """A Delete whose L2 free failed leaves the key's row in the index (``free_held`` tries
+    again); the key put again with other bytes, answered persisted, gets a second row. The
+    restart kept the row first by slot (in one chunk) or the first chunk's, which served the
+    deleted bytes; it keeps the row written last, wherever that lies, and frees the other."""
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 5 if chunks == "one chunk" else 2)
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key, others = keys(1), keys(3)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    assert (await put(store, pool, others, pages=range(1, 4), durable=True))[1] == [True] * 3
+    l2.fail_removes = True
+    assert (await store.delete(0, key)).deleted == 1
+    await store.space.drain()
+    assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
+    deleted, put_last = page_bytes(pool, 0), page_bytes(pool, 5)
+    assert deleted != put_last
+    # The medium as a stop now leaves it (the free still refused); this store then frees.
+    medium = dataclasses.replace(
+        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
+    )
+    l2.fail_removes = False
+    store.space.retry_frees(now=True)
+    await store.space.drain()
+    first, second = sorted(
+        (row for row in medium.index.values() if row.key == key[0].tobytes()),
+        key=lambda row: row.slot,
+    )
+    assert first.written_at <= second.written_at  # rows: key, 3 others, key again
+    assert sorted(medium.index) == [first.slot, *sorted(medium.index)[1:4], second.slot]
+    if newer == "lower slot":  # the same two lives, the later one in the lower slot
+        at = [l2.allocator.offset(row.slot) for row in (first, second)]
+        lives = [medium.arena[start : start + 4096].copy() for start in at]
+        medium.arena[at[0] : at[0] + 4096], medium.arena[at[1] : at[1] + 4096] = lives[::-1]
+        medium.index[first.slot] = dataclasses.replace(second, slot=first.slot)
+        medium.index[second.slot] = dataclasses.replace(first, slot=second.slot)
+    reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
+    again = make_store(clock, l2=reopened)
+    await again.recover()
+    pool.array[:] = 0
+    assert await get(again, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == put_last
+    await again.space.drain()
+    assert again.counters.get("recovered_repeats_dropped", tier="L2") == 1
+    assert reopened.allocator.used_bytes == 4 * 4096
+    kept = first.slot if newer == "lower slot" else second.slot
+    assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [kept]
+    assert again.table.slot[again.table.lookup(0, key)[0], 1] == kept
+    assert again.check() == []
+
+
 @pytest.mark.parametrize("removes", ["ok", "refused at first"])
 async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
     make_store, monkeypatch, removes
 ):
     """A tier whose index does not enforce one row per key (L2 keys rows by slot) may hand
-    over a key twice after a fault; recovery indexes one copy and gives the other slots
-    back, whether the repeat comes in the same chunk or a later one. Where the tier refused
-    that free (its index locked during recovery) the slots stayed taken until a restart, as
-    recovery freed them itself rather than through ``free_held``: they are tried again now,
-    as every failed free is."""
+    over a key twice after a fault; recovery indexes one copy (the one written last) and
+    gives the other slots back, whether the repeat comes in the same chunk or a later one.
+    Where the tier refused that free (its index locked during recovery) the slots stayed
+    taken until a restart, as recovery freed them itself rather than through ``free_held``:
+    they are tried again now, as every failed free is."""
     monkeypatch.setattr(store_module, "RECOVERY_ROWS", 3)
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
@@ -3023,7 +3079,7 @@ async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
         reopened._medium.arena[start : start + row.nbytes] = reopened._medium.arena[
             src : src + row.nbytes
         ]
-        copy = dataclasses.replace(row, slot=slot)
+        copy = dataclasses.replace(row, slot=slot, written_at=row.written_at - 1)
         reopened._medium.index[slot] = copy
         reopened._recovered.append(copy)
         copies.append(slot)
@@ -3032,8 +3088,8 @@ async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
     again = make_store(clock, l2=reopened)
     real, problems = again._index_recovered, []
 
-    def checked(level, chunk):
-        repeated = real(level, chunk)
+    def checked(*args):
+        repeated = real(*args)
         problems.extend(again.check())  # a repeat's slot is held until the end: no alarm
         return repeated
 

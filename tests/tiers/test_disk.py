@@ -1220,30 +1220,36 @@ def test_the_index_hands_over_every_row_of_a_repeated_key(
     disk_dir: Path, make_block: Block
 ) -> None:
     """Rows are keyed by slot: two rows naming one key both come back (the consumer keeps
-    one, see RecoveredBlocks.first_of_each_key) rather than one silently replacing the other."""
+    the one written last, see RecoveredBlocks.latest_of_each_key) rather than one silently
+    replacing the other."""
     with _open(disk_dir) as tier:
         blocks = _persist(tier, make_block, [1], 4096)
         copy = _persist(tier, lambda i, n: (blocks[1][0], blocks[1][2]), [2], 4096)
     with _open(disk_dir) as tier:
         got = tier.recover()
         assert sorted(r.slot for r in got) == sorted([blocks[1][1], copy[2][1]])
-        assert got.first_of_each_key().tolist() == [0]
+        assert got.slots[got.latest_of_each_key()].tolist() == [copy[2][1]]
 
 
-def test_first_of_each_key_keeps_the_first_row_of_each_namespace_and_key() -> None:
+def test_latest_of_each_key_keeps_the_row_written_last_of_each_namespace_and_key() -> None:
+    """Of a key's rows, the one with the latest written_at, whether in a lower or a higher
+    slot (the first by position served a deleted version over the one put after it); of rows
+    written at the same time, the one in the higher slot."""
     rng = np.random.default_rng(5)
-    keys = rng.integers(0, 256, size=(6, 32), dtype=np.uint8)
-    keys[3] = keys[0]  # the same key again in namespace 1: a repeat
-    keys[4] = keys[1]  # the same key in another namespace: distinct
-    keys[5] = keys[0]
-    ns = np.array([1, 1, 1, 1, 2, 1], dtype=np.uint64)
+    keys = rng.integers(0, 256, size=(8, 32), dtype=np.uint8)
+    keys[3] = keys[0]  # key 0 again, written before: row 0 stays
+    keys[5] = keys[1]  # key 1 again, written after: row 5 replaces row 1
+    keys[4] = keys[0]  # key 0 in another namespace: distinct
+    keys[7] = keys[2]  # key 2 again, written at the same time: the higher slot, row 7
+    ns = np.array([1, 1, 1, 1, 2, 1, 1, 1], dtype=np.uint64)
+    written = np.array([5.0, 1.0, 3.0, 4.0, 9.0, 2.0, 0.0, 3.0])
     n = len(ns)
     chunk = RecoveredBlocks(
-        ns, keys, np.arange(n), np.full(n, 4096), np.zeros(n, np.uint64), np.zeros(n)
+        ns, keys, np.arange(n), np.full(n, 4096), np.zeros(n, np.uint64), written
     )
-    assert chunk.first_of_each_key().tolist() == [0, 1, 2, 4]
+    assert chunk.latest_of_each_key().tolist() == [0, 4, 5, 6, 7]
     assert chunk.take(np.array([2, 4])).slots.tolist() == [2, 4]
-    assert RecoveredBlocks.of([]).first_of_each_key().tolist() == []
+    assert RecoveredBlocks.of([]).latest_of_each_key().tolist() == []
 
 
 def test_second_open_of_a_directory_is_refused(disk_dir: Path) -> None:

@@ -14,8 +14,9 @@ memory and needs the index only to recover it, to delete rows by slot and to che
 insert then costs one append near the end of one B-tree (slots are handed out low first)
 rather than two random descents (a primary key on 32 random bytes, plus a unique slot index),
 which made commits of 4,096 rows into an index of 400,000 about 8x slower (115 vs 14.5 ms). The index does not enforce one row per
-key; the tier never makes two (a key gets a new slot only after losing its old one), and
-recovery's consumer keeps one per key should a fault leave two (both hold the key's bytes).
+key: a key gets a new slot only after losing its old one, save where the old row's delete
+failed (the store tries it again) and the key was put again meanwhile, perhaps with other
+bytes; recovery's consumer keeps the row written last (``RecoveredBlocks.latest_of_each_key``).
 Index format 1 (``(ns, key)`` primary key, written before ``PRAGMA user_version`` was set) is
 migrated at open, in one transaction (rows whose slot is not an integer, which recovery would
 drop anyway, are left out and counted in the log); when that fails (a full disk, an I/O error)
