@@ -531,9 +531,12 @@ class AsyncClient:
         except NOT_INTERRUPTS:
             raise
         except BaseException:
-            # An interrupt (see ``_settle_pinned``): the lease, whose id only the client had,
-            # stayed pinned in the session it kept until the lease expired. Its end frees it.
-            self._give_up_session(request.session_id)
+            # An interrupt (see ``_settle_pinned``), the Release perhaps not sent: the lease,
+            # whose id only the client has, stayed pinned until it expired. Sent again (one
+            # already released is NOT_FOUND, ignored) rather than ending its session: the
+            # caller's own leases there, pools and jobs stay. A session ended took it along.
+            if request.session_id == self._session_id:
+                self._send_release(request)
             raise
 
     async def _register(self, binding: PoolBinding) -> None:

@@ -639,10 +639,11 @@ def test_an_interrupt_inside_a_pinning_lookups_call_of_a_session_given_up_keeps_
     asyncio.run(main())
 
 
-def settled_pools(stats: Any, pools: float) -> float:
-    """The daemon's pools once it has ended the sessions given up (at most 30 s)."""
+def settled(stats: Any, gauge: str, value: float) -> float:
+    """The daemon's ``gauge`` once it has come to ``value`` (calls sent without waiting
+    arrived, sessions given up ended; at most 30 s)."""
     deadline = time.monotonic() + 30
-    while (held := stats().gauges["pools"]) != pools and time.monotonic() < deadline:
+    while (held := stats().gauges[gauge]) != value and time.monotonic() < deadline:
         time.sleep(0.02)
     return held  # type: ignore[no-any-return]
 
@@ -678,7 +679,7 @@ def test_regression_an_interrupt_inside_an_async_registration_s_call_kept_its_po
                 pool = await client.register_pool(shm, LAYOUT, NS)
                 assert await pool.store(TOKENS, [0, 1]) == 8
                 stats = lambda: _stats(daemon)  # noqa: E731
-                assert await asyncio.to_thread(settled_pools, stats, 1) == 1
+                assert await asyncio.to_thread(settled, stats, "pools", 1) == 1
 
     asyncio.run(main())
 
@@ -691,8 +692,9 @@ def test_regression_an_interrupt_inside_an_async_release_sent_without_waiting_ke
     sends without waiting (``_send_release``: the lease of an answer its caller never read)
     before the call is sent (injected at the entry of ``call``): the lease, whose id only the
     client had, stayed pinned in the session the client kept until it expired (a fuzz of
-    random SIGALRMs: 2 leases, 8 blocks pinned, before the client's close). The client now
-    gives that session up, whose end frees the lease."""
+    random SIGALRMs: 2 leases, 8 blocks pinned, before the client's close). Then the client
+    gave that session up, and with it the leases its caller held there (their ``release``
+    NotFoundError), its pools and jobs. The Release is now sent again, in that session."""
     landed: list[bool] = []
     trace = at_entry(
         AsyncClient.call.__code__, 1, SignalHandlerError, AsyncClient._release_nowait.__code__
@@ -703,8 +705,9 @@ def test_regression_an_interrupt_inside_an_async_release_sent_without_waiting_ke
         async with AsyncClient(daemon.address) as client:
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
                 pool, session, keys = await stored_pool(client, shm)
+                held = await client.lookup(keys, pin=True, lease_ms=LEASE_MS)  # the caller's
                 lease = await client.lookup(keys, pin=True, lease_ms=LEASE_MS)
-                assert lease.lease_id
+                assert held.lease_id and lease.lease_id
                 request = client_types.build_request(pb.ReleaseRequest, lease_id=lease.lease_id)
                 sys.settrace(landing)
                 try:
@@ -715,8 +718,11 @@ def test_regression_an_interrupt_inside_an_async_release_sent_without_waiting_ke
                 finally:
                     sys.settrace(None)
                 assert landed
-                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
-                assert await client.session() != session
+                stats = lambda: _stats(daemon)  # noqa: E731
+                assert await asyncio.to_thread(settled, stats, "leases", 1) == 1
+                assert await client.session() == session
+                await client.release(held.lease_id)
+                assert await asyncio.to_thread(settled, stats, "leases", 0) == 0
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
