@@ -126,25 +126,28 @@ def test_a_durable_save_plan_reports_which_held_keys_are_on_disk():
 
 
 @pytest.mark.parametrize(
-    "results, nth",
+    "results, nth, after",
     [
-        ([pb.PUT_STORED, pb.PUT_STORED], 1),  # at the part's own end, its chain popped
-        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 1),  # inside the stopped chain's close
-        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 2),
-        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 3),  # at the part's own end, the chain closed
+        ([pb.PUT_STORED, pb.PUT_STORED], 1, False),  # at the part's own end, its chain popped
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 1, False),  # inside the stopped chain's close
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 2, False),
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 3, False),  # at its own end, the chain closed
+        ([pb.PUT_STORED, pb.PUT_REJECTED_FULL], 1, True),  # a part ended, not yet taken off
     ],
-    ids=["stored", "full-closing", "full-closing-midway", "full-closed"],
+    ids=["stored", "full-closing", "full-closing-midway", "full-closed", "full-closing-ended"],
 )
 def test_regression_a_save_part_whose_answer_an_interrupt_cut_short_never_ended(
-    monkeypatch, results, nth
+    monkeypatch, results, nth, after
 ):
     """A signal handler's exception that lands in ``complete`` of a save's part before the
-    part ended (injected at the ``nth`` end of a part it makes; a fuzz of the asyncio
-    client's interrupts hit it in numpy's ``held.all()``, after the chain's pop) has both
-    drivers ``fail`` the part. Before, that popped the chain again, taking off its next
-    batch (IndexError where none was left), or found the chain's parts gone with a close cut
-    short midway (KeyError once closed): those parts never ended, and the job stayed RUNNING
-    for good. Each step is now done once, whatever ran of it: the job ends FAILED."""
+    part ended (injected at the ``nth`` end of a part it makes, or ``after`` it; a fuzz of
+    the asyncio client's interrupts hit it in numpy's ``held.all()``, after the chain's pop)
+    has both drivers ``fail`` the part. Before, that popped the chain again, taking off its
+    next batch (IndexError where none was left), or found the chain's parts gone with a close
+    cut short midway (KeyError once closed): those parts never ended, and the job stayed
+    RUNNING for good. A part the close had ended but not taken off was ended again there,
+    counted twice (the job RUNNING, its open parts below zero). Each step is now done once,
+    whatever ran of it: the job ends FAILED."""
     keys = keys_for(5, "plan-interrupted")
     plan = TransferPlan.for_save([SaveSegment(keys, range(5))], max_batch=2)
     (part,) = plan.take_ready()
@@ -154,6 +157,8 @@ def test_regression_a_save_part_whose_answer_an_interrupt_cut_short_never_ended(
         ends.append(ended)
         if len(ends) == nth:
             monkeypatch.setattr(TransferPlan, "_end", end)
+            if after:  # the chain's close ended that part, and goes on to take it off
+                end(self, ended)
             raise SignalHandlerError
         end(self, ended)
 
