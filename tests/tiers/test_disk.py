@@ -2466,7 +2466,8 @@ def test_regression_an_idle_tier_stayed_degraded_after_the_lock_on_its_index_was
     try:
         with _locked_index(tier, disk_dir, make_block) as other:
             monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
-            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+            with tier._idx().held():  # not between the watch's setting and its reset
+                tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
             tries = tier.stats().counters["index_errors"]
             _wait_for(lambda: tier.stats().counters["index_errors"] >= tries + 2)
             health = tier.health()
@@ -2546,7 +2547,10 @@ def _wal_removed_under_a_reader(
         assert not persist(tier, _items(tier, make_block, [1], 4096))[0].ok
         assert tier.faults.lock_held() and "checkpointed" in tier.health().detail
         monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
-        tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+        # Holding the index: the watch thread's check sets the timeout to 0 for its own
+        # checkpoint meanwhile, which this hour, set between, kept waiting (the test hung).
+        with tier._idx().held():
+            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
         yield reader
     finally:
         reader.close()
@@ -2825,7 +2829,8 @@ def _returns_on_the_locked_index(
     within 20 s, the tier still degraded by the lock, which is let go after."""
     with _locked_index(tier, disk_dir, make_block) as other:
         monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
-        tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+        with tier._idx().held():  # not between the watch's setting and its reset
+            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
         thread = threading.Thread(target=call, args=args)
         thread.start()
         try:
@@ -3528,7 +3533,8 @@ def test_regression_a_write_let_through_to_a_locked_index_waited_out_the_busy_ti
     with _open(disk_dir, enospc_retry_s=0.1) as tier:
         with _locked_index(tier, disk_dir, make_block) as other:
             monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
-            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+            with tier._idx().held():  # not between the watch's setting and its reset
+                tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
             time.sleep(0.2)
             assert tier.health().retry_due
             key, data = make_block(2, 4096)
