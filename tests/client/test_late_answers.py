@@ -77,6 +77,10 @@ class LateProxy:
 
     def close(self) -> None:
         self._closed.set()
+        # A close alone leaves ``_accept``'s thread in accept() for good (Linux); a shutdown
+        # of the listener wakes it (EINVAL).
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         for s in self._socks:
             s.close()
 
