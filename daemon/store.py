@@ -79,6 +79,7 @@ from kvtier.tiers.base import (
     TierKind,
     TierUnavailable,
     WriteOutcomes,
+    block_checksum,
     written_after,
 )
 from kvtier.tiers.sizes import counted
@@ -468,8 +469,10 @@ class BlockStore:
         self._recovery_cut = False
         self._recovery_waits_until = 0.0  # a request waits for recovery until then at most
         # Refs of blocks a put was writing when recovery gave them a copy (their key's row
-        # from before this start): should the put fail, they keep that copy (``_abandon``).
-        self._recovered_under_put: set[int] = set()
+        # from before this start), each with the levels whose recovered copy the put has not
+        # replaced: should the put fail, they keep that copy (``_abandon``); should it
+        # succeed, those copies go (``_drop_put_over``): the row may hold other bytes.
+        self._recovered_under_put: dict[int, set[int]] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -1549,10 +1552,10 @@ class BlockStore:
             # start while the put wrote them (only then has a block being written a
             # copy here): the put's copy replaces it, whose slot goes back as an
             # evicted copy's does (one slot per block and tier).
-            old = table.slot[replaced, level.col].tolist()
-            holds = self.space.hold_copies(level, replaced)
-            table.clear_slots(replaced, level.col)
-            self.space.free_held(level, old, holds)
+            self._free_copies(level, replaced)
+            for ref in table.refs(replaced).tolist():
+                if (cols := self._recovered_under_put.get(ref)) is not None:
+                    cols.discard(level.col)
         if ok == 1:  # a single-key put: the slot and checksum as scalars
             table.set_slots(stored, level.col, outs.slots.item(0))
             if level.checksummed:
@@ -1606,7 +1609,7 @@ class BlockStore:
         table = self.table
         now = self._clock()
         if self._recovered_under_put:
-            self._recovered_under_put.difference_update(table.refs(bids).tolist())
+            self._drop_put_over(bids)
         table.state[bids] = READY
         table.last_access[bids] = now
         table.link_many(bids, pars)
@@ -1627,7 +1630,7 @@ class BlockStore:
         table = self.table
         now = self._clock()
         if self._recovered_under_put:
-            self._recovered_under_put.discard(table.ref(bid))
+            self._drop_put_over(np.array([bid], dtype=np.int64))
         table.state[bid] = READY
         table.last_access[bid] = now
         table.link(bid, parent)
@@ -1639,6 +1642,41 @@ class BlockStore:
             one = np.array([bid], dtype=np.int64)
             top_col = levels[0].col
             self.space.after_store(one if table.slot.item(bid, top_col) >= 0 else one[:0], now)
+
+    def _drop_put_over(self, bids: np.ndarray) -> None:
+        """Of the copies recovery gave ``bids`` (a put's, committing) from their key's rows of
+        before this start, which the put did not replace itself, free those whose bytes are
+        not the put's (the key put again with other bytes): a Get would load them once the
+        put's copies are evicted. A copy of the put's bytes stays (the key as durable as it
+        was)."""
+        refs = self.table.refs(bids).tolist()
+        cols = [self._recovered_under_put.pop(r, set()) for r in refs]
+        for level in self.stack:
+            over = bids[[level.col in c for c in cols]]
+            if len(over):
+                self._free_copies(level, over[~self._same_as_put(level, over)])
+
+    def _same_as_put(self, level: Level, bids: np.ndarray) -> np.ndarray:
+        """Whether each of ``bids``' copies on ``level`` holds the bytes of its copy on the
+        top tier, as their checksums say (False where either cannot tell)."""
+        table, top = self.table, self.top
+        same = np.zeros(len(bids), dtype=bool)
+        view = getattr(top.tier, "view", None)
+        if view is None or not level.checksummed:
+            return same
+        for i, bid in enumerate(bids.tolist()):
+            if (slot := table.slot.item(bid, top.col)) >= 0:
+                data = view(slot, int(table.nbytes[bid]))
+                same[i] = block_checksum(data) == table.checksum_of(bid, level.col)
+        return same
+
+    def _free_copies(self, level: Level, bids: np.ndarray) -> None:
+        """Forget ``bids``' copies on ``level`` and give their slots back (held against their
+        owners' quotas until free: ``free_held``)."""
+        old = self.table.slot[bids, level.col].tolist()
+        holds = self.space.hold_copies(level, bids)
+        self.table.clear_slots(bids, level.col)
+        self.space.free_held(level, old, holds)
 
     # -------------------------------------------------------------------- reads
 
@@ -2735,7 +2773,8 @@ class BlockStore:
         table.set_slots(bids, level.col, chunk.slots)
         table.set_checksums(bids, level.col, chunk.checksums)
         if len(writing := bids[table.state[bids] == WRITING]):
-            self._recovered_under_put.update(table.refs(writing).tolist())
+            for ref in table.refs(writing).tolist():
+                self._recovered_under_put.setdefault(ref, set()).add(level.col)
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
         # A block a put is still writing joins the policies when that put commits it, as a
         # new block does, or with this copy alone if the put fails (``_abandon``).
@@ -2794,7 +2833,8 @@ class BlockStore:
             refs = table.refs(bids).tolist()
             under = self._recovered_under_put
             recovered = np.fromiter((r in under for r in refs), bool, len(refs))
-            under.difference_update(refs)
+            for r in refs:
+                under.pop(r, None)
             if recovered.any():
                 kept = bids[recovered]
                 self._keep_recovered(kept)

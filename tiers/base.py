@@ -33,6 +33,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
+import xxhash
 
 from kvtier.kernels.layout import ChunkTable
 from kvtier.kernels.runs import SegmentMap
@@ -495,6 +496,12 @@ class RecoveredBlocks:
         if not parts:
             return cls.of([])
         return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _RECOVERED_FIELDS))
+
+
+def block_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum a ``checksummed`` tier keeps of each block and verifies at every read:
+    xxh3-64 of its bytes, as an unsigned int."""
+    return int(xxhash.xxh3_64_intdigest(data))
 
 
 def written_after(written_at: Any, slot: Any, other_written_at: Any, other_slot: Any) -> Any:

@@ -5858,3 +5858,49 @@ async def test_owed_moves_get_one_turn_of_the_loop_at_a_time(make_store, monkeyp
     assert not policy.owes_work and policy.stats().protected == 600
     # A budget of 50 moves per turn (49 and the stop): 11 or 12 turns for 549 moves.
     assert 2 <= len(calls) <= 600 // 50 + 1, len(calls)
+
+
+@pytest.mark.parametrize("bytes_", ["other bytes", "the same bytes"])
+async def test_a_key_put_again_while_recovery_read_its_old_row_keeps_the_puts_bytes(
+    make_store, monkeypatch, bytes_
+):
+    """A put of a key while recovery reads the index, with other bytes than the key's L2 row
+    from before the restart: recovery gives the block being written that row as its L2 copy
+    (``_recovered_under_put``), and the put, writing L1 only, kept it. Once the L1 copy was
+    evicted, a Get served the row's old bytes, not the put's. The put's commit now drops
+    that copy where its checksum is not that of the put's bytes, and the eviction writes the
+    put's bytes; a copy of the same bytes stays (the key as durable as it was)."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    row = next(iter(l2._medium.index))
+    await store.stop(flush=False)
+    again = make_store(clock, l2=l2.reopen())
+    level = again.stack[TierKind.DISK]
+    index = level.slots.recover_chunks()
+    reserve = again.space.reserve
+
+    async def index_read_under_the_put(*args, **kwargs):
+        for chunk in index:
+            again._index_recovered(level, chunk)
+        return await reserve(*args, **kwargs)
+
+    monkeypatch.setattr(again.space, "reserve", index_read_under_the_put)
+    page = 5 if bytes_ == "other bytes" else 0
+    assert await put(again, pool, key, pages=[page]) == [PutResult.STORED]
+    monkeypatch.undo()
+    put_last = page_bytes(pool, page)
+    assert (put_last == page_bytes(pool, 0)) == (bytes_ == "the same bytes")
+    await again.space.drain()
+    bid = again.table.lookup(0, key)[0]
+    assert (again.table.slot[bid, 1] == row) == (bytes_ == "the same bytes")
+    assert (row in l2._medium.index) == (bytes_ == "the same bytes")
+    clock.now += 1
+    await put(again, pool, keys(16), pages=range(20, 36))  # evicts the key's L1 copy
+    await again.space.drain()
+    assert where(again, key) == ["L2"]  # written there as the L1 copy left, or kept
+    assert await get(again, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == put_last
+    assert again.check() == []

@@ -33,6 +33,7 @@ import numpy as np
 import xxhash
 
 from kvtier.tiers.base import Priority
+from kvtier.tiers.base import block_checksum as checksum
 from kvtier.tiers.disk.files import ALIGN, SlotFiles
 from kvtier.tiers.disk.health import Fault, FaultState, classify
 from kvtier.tiers.executor import PriorityExecutor, Urgency
@@ -56,11 +57,6 @@ R = TypeVar("R")
 
 def _done() -> None:
     pass
-
-
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """The checksum the tier stores and verifies: xxh3-64 of the bytes, as an unsigned int."""
-    return int(xxhash.xxh3_64_intdigest(data))
 
 
 def _address(mv: memoryview) -> int:
