@@ -2791,8 +2791,9 @@ class BlockStore:
         table = self.table
         table.clear_slots(bids, level.col)
         # A block with no other copy takes the row's size (its key put again with another
-        # layout); one with a copy elsewhere (a put under way) keeps its own.
-        alone = (table.slot[bids] < 0).all(axis=1)
+        # layout); one with a copy elsewhere, or that a put is writing (its copy not yet
+        # recorded), keeps its own.
+        alone = (table.slot[bids] < 0).all(axis=1) & (table.state[bids] != WRITING)
         table.nbytes[bids[alone]] = rows.nbytes[alone]
         table.set_slots(bids, level.col, rows.slots)
         table.set_checksums(bids, level.col, rows.checksums)

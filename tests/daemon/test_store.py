@@ -5904,3 +5904,53 @@ async def test_a_key_put_again_while_recovery_read_its_old_row_keeps_the_puts_by
     assert await get(again, pool, key, [10]) == [True]
     assert page_bytes(pool, 10) == put_last
     assert again.check() == []
+
+
+async def test_regression_a_put_whose_block_recovery_moved_to_a_later_row_took_its_size(
+    make_store, monkeypatch
+):
+    """A put under way of a key with two L2 rows of other sizes, read in two chunks under
+    it (a Delete whose free failed, then the key put again with another layout): the later
+    chunk's row, written last, moved the block's recovered copy to it and, the put's own
+    copy not yet recorded, gave the block that row's size (2048 bytes, the put's 4096). A
+    Get then failed (InvalidArgument: stored with 2048 bytes); the put's block keeps its
+    own size, and the put's commit frees the row (other bytes)."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool, small = make_store(clock, l2=l2), make_pool(), make_pool(2048)
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    l2.fail_removes = True
+    assert (await store.delete(0, key)).deleted == 1
+    await store.space.drain()
+    assert (await put(store, small, key, pages=[3], durable=True))[1] == [True]
+    medium = dataclasses.replace(
+        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
+    )
+    l2.fail_removes = False
+    store.space.retry_frees(now=True)
+    await store.space.drain()
+    assert sorted((r.slot, r.nbytes) for r in medium.index.values()) == [(0, 4096), (1, 2048)]
+    reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
+    again = make_store(clock, l2=reopened)
+    level = again.stack[TierKind.DISK]
+    index = level.slots.recover_chunks(1)
+    reserve = again.space.reserve
+    earlier, repeats = [], []
+
+    async def index_read_under_the_put(*args, **kwargs):
+        for chunk in index:  # as recover() does, a row a chunk
+            repeats.append(again._index_recovered(level, chunk, earlier))
+            earlier.append((chunk.slots, chunk.written_at))
+        return await reserve(*args, **kwargs)
+
+    monkeypatch.setattr(again.space, "reserve", index_read_under_the_put)
+    assert await put(again, pool, key, pages=[7]) == [PutResult.STORED]
+    monkeypatch.undo()
+    await again._drop_repeated(level, np.concatenate(repeats))
+    await again.space.drain()
+    assert again.table.nbytes[again.table.lookup(0, key)[0]] == 4096
+    assert await get(again, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == page_bytes(pool, 7)
+    assert reopened.allocator.used_bytes == 0 and medium.index == {}
+    assert again.check() == []
