@@ -1654,11 +1654,12 @@ class BlockStore:
         for level in self.stack:
             over = bids[[level.col in c for c in cols]]
             if len(over):
-                self._free_copies(level, over[~self._same_as_put(level, over)])
+                same = self._same_as_put(level, over, self.table.checksums(over, level.col))
+                self._free_copies(level, over[~same])
 
-    def _same_as_put(self, level: Level, bids: np.ndarray) -> np.ndarray:
-        """Whether each of ``bids``' copies on ``level`` holds the bytes of its copy on the
-        top tier, as their checksums say (False where either cannot tell)."""
+    def _same_as_put(self, level: Level, bids: np.ndarray, checksums: np.ndarray) -> np.ndarray:
+        """Whether the bytes of each of ``bids``' copies on the top tier have the checksum
+        ``level`` keeps of a copy there (``checksums``); False where either cannot tell."""
         table, top = self.table, self.top
         same = np.zeros(len(bids), dtype=bool)
         view = getattr(top.tier, "view", None)
@@ -1667,7 +1668,7 @@ class BlockStore:
         for i, bid in enumerate(bids.tolist()):
             if (slot := table.slot.item(bid, top.col)) >= 0:
                 data = view(slot, int(table.nbytes[bid]))
-                same[i] = block_checksum(data) == table.checksum_of(bid, level.col)
+                same[i] = block_checksum(data) == int(checksums[i])
         return same
 
     def _free_copies(self, level: Level, bids: np.ndarray) -> None:
@@ -2760,6 +2761,18 @@ class BlockStore:
                 self._replace_recovered(level, bids[newer], rows, seen)
             keep = np.flatnonzero(~held)
             chunk, words, known = chunk.take(keep), words[keep], known[keep]
+        # A block put since this start (READY, on the top tier) takes the row as its copy
+        # only where the row holds its bytes: the row is older than the put, and a key put
+        # again may have other bytes, which a Get would load once the top copy is evicted.
+        # (One a put is still writing is settled when it commits: ``_drop_put_over``.)
+        put = np.flatnonzero(known >= 0)
+        put = put[(table.state[known[put]] == READY) & (table.slot[known[put], self.top.col] >= 0)]
+        if len(put):
+            other = put[~self._same_as_put(level, known[put], chunk.checksums[put])]
+            if len(other):
+                repeated.append(chunk.slots[other])
+                keep = np.setdiff1d(np.arange(len(chunk)), other)
+                chunk, words, known = chunk.take(keep), words[keep], known[keep]
         new = np.flatnonzero(known < 0)
         bids = known.copy()
         owners = np.fromiter(

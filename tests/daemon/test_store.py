@@ -5954,3 +5954,38 @@ async def test_regression_a_put_whose_block_recovery_moved_to_a_later_row_took_i
     assert page_bytes(pool, 10) == page_bytes(pool, 7)
     assert reopened.allocator.used_bytes == 0 and medium.index == {}
     assert again.check() == []
+
+
+@pytest.mark.parametrize("bytes_", ["other bytes", "the same bytes"])
+async def test_a_key_put_while_recovery_runs_before_its_old_row_is_read_keeps_the_puts_bytes(
+    make_store, bytes_
+):
+    """A put of a key made while recovery runs and done before the key's L2 row from before
+    the restart is read: the row gave the block (READY, on L1) its L2 copy whatever its
+    bytes, and once the L1 copy was evicted a Get served the row's old bytes. The row is
+    now taken only where its checksum is that of the put's bytes, else freed as a repeat."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    row = next(iter(l2._medium.index))
+    await store.stop(flush=False)
+    again = make_store(clock, l2=l2.reopen())
+    level = again.stack[TierKind.DISK]
+    index = level.slots.recover_chunks()
+    page = 5 if bytes_ == "other bytes" else 0
+    assert await put(again, pool, key, pages=[page]) == [PutResult.STORED]
+    put_last = page_bytes(pool, page)
+    repeats = [again._index_recovered(level, chunk) for chunk in index]
+    await again._drop_repeated(level, np.concatenate(repeats))
+    await again.space.drain()
+    same = bytes_ == "the same bytes"
+    assert (again.table.slot[again.table.lookup(0, key)[0], 1] == row) == same
+    assert (row in l2._medium.index) == same
+    clock.now += 1
+    await put(again, pool, keys(16), pages=range(20, 36))  # evicts the key's L1 copy
+    await again.space.drain()
+    assert where(again, key) == ["L2"]
+    assert await get(again, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == put_last
