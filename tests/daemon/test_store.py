@@ -5860,6 +5860,17 @@ async def test_owed_moves_get_one_turn_of_the_loop_at_a_time(make_store, monkeyp
     assert 2 <= len(calls) <= 600 // 50 + 1, len(calls)
 
 
+async def _a_key_on_l2_then_a_restart(make_store, clock):
+    """A key stored durably on L2 (page 0's bytes), the store stopped, and one on the tier
+    reopened, not recovering yet; that store, the pool, the key and the tier."""
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    await store.stop(flush=False)
+    return make_store(clock, l2=l2.reopen()), pool, key, l2
+
+
 @pytest.mark.parametrize("bytes_", ["other bytes", "the same bytes"])
 async def test_a_key_put_again_while_recovery_read_its_old_row_keeps_the_puts_bytes(
     make_store, monkeypatch, bytes_
@@ -5871,13 +5882,8 @@ async def test_a_key_put_again_while_recovery_read_its_old_row_keeps_the_puts_by
     that copy where its checksum is not that of the put's bytes, and the eviction writes the
     put's bytes; a copy of the same bytes stays (the key as durable as it was)."""
     clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    key = keys(1)
-    assert (await put(store, pool, key, durable=True))[1] == [True]
+    again, pool, key, l2 = await _a_key_on_l2_then_a_restart(make_store, clock)
     row = next(iter(l2._medium.index))
-    await store.stop(flush=False)
-    again = make_store(clock, l2=l2.reopen())
     level = again.stack[TierKind.DISK]
     index = level.slots.recover_chunks()
     reserve = again.space.reserve
@@ -5965,13 +5971,8 @@ async def test_a_key_put_while_recovery_runs_before_its_old_row_is_read_keeps_th
     bytes, and once the L1 copy was evicted a Get served the row's old bytes. The row is
     now taken only where its checksum is that of the put's bytes, else freed as a repeat."""
     clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    key = keys(1)
-    assert (await put(store, pool, key, durable=True))[1] == [True]
+    again, pool, key, l2 = await _a_key_on_l2_then_a_restart(make_store, clock)
     row = next(iter(l2._medium.index))
-    await store.stop(flush=False)
-    again = make_store(clock, l2=l2.reopen())
     level = again.stack[TierKind.DISK]
     index = level.slots.recover_chunks()
     page = 5 if bytes_ == "other bytes" else 0
