@@ -227,8 +227,9 @@ COUNTERS: dict[str, MetricDef] = {
     "recovered_repeats_dropped": _c(
         "kvtier_recovered_repeats_dropped_total",
         ("tier",),
-        "Recovered index rows that repeated a key the tier already held; dropped, slot freed "
-        "(a free the tier refused is tried again, counted in frees_retried instead).",
+        "Recovered index rows of a key that another row, written later, or a put since the "
+        "start, of other bytes, replaces; dropped, slot freed (a free the tier refused is "
+        "tried again, counted in frees_retried instead).",
     ),
     "leases_expired": _c(
         "kvtier_leases_expired_total", (), "Leases (pins) that ran out before their release."
