@@ -473,6 +473,10 @@ class BlockStore:
         # replaced: should the put fail, they keep that copy (``_abandon``); should it
         # succeed, those copies go (``_drop_put_over``): the row may hold other bytes.
         self._recovered_under_put: dict[int, set[int]] = {}
+        # Refs of blocks puts committed while recovery ran: a row of their key read later is
+        # older than the put, and taken only where it holds the put's bytes
+        # (``_index_recovered``), whichever tier the put's copy is on by then.
+        self._put_in_recovery: set[int] = set()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -1610,6 +1614,8 @@ class BlockStore:
         now = self._clock()
         if self._recovered_under_put:
             self._drop_put_over(bids)
+        if self._recovering:
+            self._put_in_recovery.update(table.refs(bids).tolist())
         table.state[bids] = READY
         table.last_access[bids] = now
         table.link_many(bids, pars)
@@ -1631,6 +1637,8 @@ class BlockStore:
         now = self._clock()
         if self._recovered_under_put:
             self._drop_put_over(np.array([bid], dtype=np.int64))
+        if self._recovering:
+            self._put_in_recovery.add(table.ref(bid))
         table.state[bid] = READY
         table.last_access[bid] = now
         table.link(bid, parent)
@@ -2718,6 +2726,7 @@ class BlockStore:
             )
         finally:
             self._recovering = False
+            self._put_in_recovery.clear()
             self.recovered.set()
         if total:
             log.info("indexed %d recovered blocks in %.2fs", total, time.monotonic() - started)
@@ -2761,12 +2770,20 @@ class BlockStore:
                 self._replace_recovered(level, bids[newer], rows, seen)
             keep = np.flatnonzero(~held)
             chunk, words, known = chunk.take(keep), words[keep], known[keep]
-        # A block put since this start (READY, on the top tier) takes the row as its copy
+        # A block put since this start (READY: on the top tier, or a put committed during
+        # recovery, whose copy may have gone to L3 alone since) takes the row as its copy
         # only where the row holds its bytes: the row is older than the put, and a key put
-        # again may have other bytes, which a Get would load once the top copy is evicted.
+        # again may have other bytes, which a Get would load once the put's copies above
+        # are evicted; a block whose bytes cannot be compared (L3 alone) drops the row.
         # (One a put is still writing is settled when it commits: ``_drop_put_over``.)
         put = np.flatnonzero(known >= 0)
-        put = put[(table.state[known[put]] == READY) & (table.slot[known[put], self.top.col] >= 0)]
+        put = put[table.state[known[put]] == READY]
+        if len(put):
+            since = self._put_in_recovery
+            later = np.fromiter(
+                (r in since for r in table.refs(known[put]).tolist()), bool, len(put)
+            )
+            put = put[later | (table.slot[known[put], self.top.col] >= 0)]
         if len(put):
             other = put[~self._same_as_put(level, known[put], chunk.checksums[put])]
             if len(other):

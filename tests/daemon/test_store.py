@@ -5990,3 +5990,46 @@ async def test_a_key_put_while_recovery_runs_before_its_old_row_is_read_keeps_th
     assert where(again, key) == ["L2"]
     assert await get(again, pool, key, [10]) == [True]
     assert page_bytes(pool, 10) == put_last
+
+
+async def test_a_key_put_during_recovery_held_on_l3_alone_before_its_old_row_is_read_keeps_the_puts_bytes(
+    make_store,
+):
+    """A put of a key committed while recovery runs, whose L1 copy is evicted before the
+    key's L2 row from before the restart is read: L3 took the block in the background, L2
+    takes no new blocks yet, so the block is left on L3 alone. With no top-tier copy to
+    compare, the row became its L2 copy whatever its bytes, and a Get (L2 before L3) served
+    the row's old bytes. A block put during recovery takes the row only where it holds the
+    put's bytes; on L3 alone, where they cannot be compared, the row is freed."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    await store.stop(flush=False)
+    reopened = l2.reopen()
+    again = make_store(
+        clock,
+        l2=reopened,
+        l3=MemoryKeyTier(clock=clock),
+        sets=("tiers.l3.admission=always",),
+    )
+    row = next(iter(l2._medium.index))
+    level = again.stack[TierKind.DISK]
+    index = level.slots.recover_chunks()
+    # Recovery under way (``_begin_recovery``): L2 takes no new blocks until it ends.
+    again._recovering = reopened.allocator.recovering = True
+    assert await put(again, pool, key, pages=[5]) == [PutResult.STORED]
+    await again.space.drain()
+    clock.now += 1
+    await put(again, pool, keys(16), pages=range(20, 36))  # evicts the key's L1 copy
+    await again.space.drain()
+    assert where(again, key) == ["L3"]
+    repeats = [again._index_recovered(level, chunk) for chunk in index]
+    again._recovering = reopened.allocator.recovering = False
+    await again._drop_repeated(level, np.concatenate(repeats))
+    await again.space.drain()
+    assert again.table.slot[again.table.lookup(0, key)[0], 1] != row
+    assert row not in reopened._medium.index
+    assert await get(again, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == page_bytes(pool, 5)
