@@ -73,6 +73,7 @@ from kvtier.client.sync import (
     client_namespace,
     client_settings,
     in_own_process,
+    late_lookup_text,
     no_fd_transport,
     refuse_in_child,
 )
@@ -129,9 +130,9 @@ class AsyncClient:
         self._session_task: asyncio.Task[None] | None = None
         self._pools: dict[int, PoolBinding] = {}
         self._jobs = JobTable()
-        # Calls nobody awaits (unregister_pool_nowait's, abandoned loads' Releases and
-        # pinning Lookups), held here until they end (the loop keeps only a weak reference
-        # to a task).
+        # Tasks nobody awaits (unregister_pool_nowait's, Releases sent without waiting,
+        # pinning Lookups whose caller left, the watchers of sessions given up), held here
+        # until they end (the loop keeps only a weak reference to a task).
         self._unanswered: set[asyncio.Task[Any]] = set()
         # UnregisterPools that went unanswered: see Client._unregister_unconfirmed.
         self._unconfirmed: dict[int, str] = {}
@@ -456,10 +457,7 @@ class AsyncClient:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except asyncio.TimeoutError:  # asyncio's: on Python 3.10 not the builtin
             self._settle_when_answered(request, task)
-            raise DeadlineExceededError(
-                f"Lookup: no answer within {timeout_s:.3g}s; the call runs on "
-                f"{ANSWER_GRACE_S:g}s more, and the lease of an answer that comes is released"
-            ) from None
+            raise DeadlineExceededError(late_lookup_text(timeout_s)) from None
         except BaseException:  # the call's own error, or the caller's cancel, or an interrupt
             if task.done():
                 self._settle_pinned(request, task)

@@ -127,7 +127,10 @@ _RESENT_AFTER_CUT_OFF = frozenset({"Lookup", "Get", "Stats", "Check"})
 # How much later than its caller's time a pinning Lookup's gRPC deadline is (both clients):
 # the caller's wait ends at its time, and the call runs on for this long, so that an answer
 # that comes late (on its way, or waiting for a busy client's thread) is taken in and its
-# lease released, not dropped by gRPC with the blocks pinned until the lease expired.
+# lease released, not dropped by gRPC with the blocks pinned until the lease expired. Also
+# how long past the last deadline of a job's parts on a channel given up those still
+# unanswered wait before they fail (``TransferJob.channel_given_up``): gRPC delivers neither
+# answer nor deadline there while an interrupt left the channel's lock held.
 ANSWER_GRACE_S = 2.0
 # Requests that carry a namespace; the driver fills in the client's for the flows' requests.
 NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Evict"})
@@ -137,6 +140,14 @@ class _RunsOn(Exception):
     """A call whose caller's time ran out, left to run on to its end, which frees its call
     slot (a pinning Lookup: ``Client._pinning_lookup``); DeadlineExceededError to the
     caller."""
+
+
+def late_lookup_text(timeout_s: float) -> str:
+    """What the caller of a pinning Lookup whose time ran out is told (both clients)."""
+    return (
+        f"Lookup: no answer within {timeout_s:.3g}s; the call runs on {ANSWER_GRACE_S:g}s "
+        "more, and the lease of an answer that comes is released"
+    )
 
 
 def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] | None) -> bytes:
@@ -915,10 +926,7 @@ class Client:
         except grpc.FutureTimeoutError:
             # Also keeps the call from being cancelled when ``fut`` is collected.
             fut.add_done_callback(functools.partial(self._late, slots))
-            raise _RunsOn(
-                f"Lookup: no answer within {timeout:.3g}s; the call runs on "
-                f"{ANSWER_GRACE_S:g}s more, and the lease of an answer that comes is released"
-            ) from None
+            raise _RunsOn(late_lookup_text(timeout)) from None
         except BaseException as e:
             self.interrupted(e, fut)
             raise
