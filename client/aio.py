@@ -482,8 +482,7 @@ class AsyncClient:
         if lookup.cancelled():
             return
         if (error := lookup.exception()) is None:
-            if lease_id := lookup.result().lease_id:
-                self._send_release(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
+            release_unclaimed(lookup.result(), self._send_release)
         elif not isinstance(error, NOT_INTERRUPTS):
             self._give_up_session(request.session_id)
 

@@ -326,10 +326,11 @@ def abandon_advanced(flow: Flow, sent: Any, value: Any, release: Callable[[Any],
 
 
 def release_unclaimed(answer: pb.LookupResponse, release: Callable[[Any], None]) -> None:
-    """Release, through ``release``, the lease of a pinning Lookup's ``answer`` that an
-    interrupt (no call's error) kept from its caller once the call had ended (both clients'
-    ``lookup`` and ``_drive``): the lease id was only in it, so its blocks stayed pinned
-    until the lease expired."""
+    """Release, through ``release``, the lease of a pinning Lookup's ``answer`` that its
+    caller will not read: an interrupt (no call's error) kept it from its caller once the
+    call had ended (both clients' ``lookup`` and ``_drive``), or it came after its caller's
+    time ran out or its task was cancelled (``Client._late``, ``AsyncClient._settle_pinned``).
+    The lease id was only in it, so its blocks stayed pinned until the lease expired."""
     if answer.lease_id:
         release(build_request(pb.ReleaseRequest, lease_id=answer.lease_id))
 
