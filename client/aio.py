@@ -467,8 +467,7 @@ class AsyncClient:
 
     def _settle_when_answered(self, request: pb.LookupRequest, lookup: asyncio.Task[Any]) -> None:
         """Settle pinning Lookup ``lookup`` (``_settle_pinned``) once it is answered."""
-        self._unanswered.add(lookup)  # close() cancels it: the session frees its pins
-        lookup.add_done_callback(self._unanswered.discard)
+        self._hold(lookup)  # close() cancels it: the session frees its pins
         lookup.add_done_callback(functools.partial(self._settle_pinned, request))
 
     def _settle_pinned(self, request: pb.LookupRequest, lookup: asyncio.Task[Any]) -> None:
@@ -502,9 +501,14 @@ class AsyncClient:
         call, watcher = self._session_call, self._session_task
         self._session_id, self._session_call, self._session_task = "", None, None
         call.cancel()
-        if watcher is not None:  # held until it sees the cancel (the loop holds no task)
-            self._unanswered.add(watcher)
-            watcher.add_done_callback(self._unanswered.discard)
+        if watcher is not None:  # held until it sees the cancel
+            self._hold(watcher)
+
+    def _hold(self, task: asyncio.Task[Any]) -> None:
+        """Hold ``task``, which nobody awaits, in ``_unanswered`` until it ends (the loop keeps
+        only a weak reference to a task); ``close()`` cancels it."""
+        self._unanswered.add(task)
+        task.add_done_callback(self._unanswered.discard)
 
     def _abandon(self, flow: Flow) -> None:
         """See ``Client._abandon``: a load whose task was cancelled (``asyncio.wait_for``)
@@ -517,9 +521,7 @@ class AsyncClient:
         """Send a Release in the open session, if any, as a task nobody awaits."""
         if self._session_id and not self._closed:
             request.session_id = self._session_id
-            task = asyncio.get_running_loop().create_task(self._release_nowait(request))
-            self._unanswered.add(task)
-            task.add_done_callback(self._unanswered.discard)
+            self._hold(asyncio.get_running_loop().create_task(self._release_nowait(request)))
 
     async def _release_nowait(self, request: pb.ReleaseRequest) -> None:
         try:
@@ -637,9 +639,7 @@ class AsyncClient:
         request = unregistration(binding, self._pools, self._session_id)
         if request is None:
             return
-        task = loop.create_task(self._unregister_nowait(request))
-        self._unanswered.add(task)
-        task.add_done_callback(self._unanswered.discard)
+        self._hold(loop.create_task(self._unregister_nowait(request)))
 
     async def _unregister_nowait(self, request: pb.UnregisterPoolRequest) -> None:
         # Nobody waits for the answer; one left unanswered is sent again before the next
