@@ -2763,6 +2763,11 @@ class BlockStore:
             newer = written_after(
                 chunk.written_at[at], chunk.slots[at], _written_at(slots, earlier), slots
             )
+            # A block put during recovery holds an earlier row of its key only where that
+            # row held the put's bytes (below): a later row replaces it only where it does.
+            if newer.any() and self._put_in_recovery:
+                put = newer & self._put_during_recovery(bids)
+                newer[put] = self._same_as_put(level, bids[put], chunk.checksums[at[put]])
             repeated.append(np.where(newer, slots, chunk.slots[at]))
             if newer.any():
                 rows = chunk.take(at[newer])
@@ -2779,10 +2784,7 @@ class BlockStore:
         put = np.flatnonzero(known >= 0)
         put = put[table.state[known[put]] == READY]
         if len(put):
-            since = self._put_in_recovery
-            later = np.fromiter(
-                (r in since for r in table.refs(known[put]).tolist()), bool, len(put)
-            )
+            later = self._put_during_recovery(known[put])
             put = put[later | (table.slot[known[put], self.top.col] >= 0)]
         if len(put):
             other = put[~self._same_as_put(level, known[put], chunk.checksums[put])]
@@ -2812,6 +2814,12 @@ class BlockStore:
         for bid, when in zip(bids[ready].tolist(), seen[ready].tolist(), strict=True):
             level.policy.insert(bid, when, -1)
         return np.concatenate(repeated) if repeated else np.empty(0, dtype=np.int64)
+
+    def _put_during_recovery(self, bids: np.ndarray) -> np.ndarray:
+        """Whether each of ``bids`` is a block a put committed while recovery runs
+        (``_put_in_recovery``)."""
+        since = self._put_in_recovery
+        return np.fromiter((r in since for r in self.table.refs(bids).tolist()), bool, len(bids))
 
     def _replace_recovered(
         self, level: Level, bids: np.ndarray, rows: RecoveredBlocks, seen: np.ndarray

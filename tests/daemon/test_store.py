@@ -2994,6 +2994,40 @@ async def test_recovered_blocks_keep_their_tenant(make_store):
     assert again.table.usage[1, again.owners["alice"]] == 4 * 4096
 
 
+async def _got_once_off_l1(store, pool, clock, key) -> bytes:
+    """The bytes a Get of ``key`` reads once its L1 copy is evicted (16 other keys put),
+    held on L2 alone."""
+    clock.now += 1
+    await put(store, pool, keys(16), pages=range(20, 36))
+    await store.space.drain()
+    assert where(store, key) == ["L2"]
+    assert await get(store, pool, key, [10]) == [True]
+    return page_bytes(pool, 10)
+
+
+async def _a_key_with_two_rows(make_store, clock):
+    """A key put (page 0's bytes), three others, the key deleted where its L2 free failed,
+    then put again with page 5's bytes: returns the L2 tier, the pool, the key and a copy of
+    the tier's medium as a stop then leaves it (the key's two rows); the store then frees."""
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key, others = keys(1), keys(3)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    assert (await put(store, pool, others, pages=range(1, 4), durable=True))[1] == [True] * 3
+    l2.fail_removes = True
+    assert (await store.delete(0, key)).deleted == 1
+    await store.space.drain()
+    assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
+    assert page_bytes(pool, 0) != page_bytes(pool, 5)
+    medium = dataclasses.replace(
+        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
+    )
+    l2.fail_removes = False
+    store.space.retry_frees(now=True)
+    await store.space.drain()
+    return l2, pool, key, medium
+
+
 @pytest.mark.parametrize("chunks", ["one chunk", "two chunks"])
 @pytest.mark.parametrize("newer", ["higher slot", "lower slot"])
 async def test_a_key_deleted_where_its_slot_was_not_freed_then_put_again_comes_back_as_put_last(
@@ -3005,24 +3039,8 @@ async def test_a_key_deleted_where_its_slot_was_not_freed_then_put_again_comes_b
     deleted bytes; it keeps the row written last, wherever that lies, and frees the other."""
     monkeypatch.setattr(store_module, "RECOVERY_ROWS", 5 if chunks == "one chunk" else 2)
     clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    key, others = keys(1), keys(3)
-    assert (await put(store, pool, key, durable=True))[1] == [True]
-    assert (await put(store, pool, others, pages=range(1, 4), durable=True))[1] == [True] * 3
-    l2.fail_removes = True
-    assert (await store.delete(0, key)).deleted == 1
-    await store.space.drain()
-    assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
-    deleted, put_last = page_bytes(pool, 0), page_bytes(pool, 5)
-    assert deleted != put_last
-    # The medium as a stop now leaves it (the free still refused); this store then frees.
-    medium = dataclasses.replace(
-        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
-    )
-    l2.fail_removes = False
-    store.space.retry_frees(now=True)
-    await store.space.drain()
+    l2, pool, key, medium = await _a_key_with_two_rows(make_store, clock)
+    put_last = page_bytes(pool, 5)
     first, second = sorted(
         (row for row in medium.index.values() if row.key == key[0].tobytes()),
         key=lambda row: row.slot,
@@ -5984,12 +6002,7 @@ async def test_a_key_put_while_recovery_runs_before_its_old_row_is_read_keeps_th
     same = bytes_ == "the same bytes"
     assert (again.table.slot[again.table.lookup(0, key)[0], 1] == row) == same
     assert (row in l2._medium.index) == same
-    clock.now += 1
-    await put(again, pool, keys(16), pages=range(20, 36))  # evicts the key's L1 copy
-    await again.space.drain()
-    assert where(again, key) == ["L2"]
-    assert await get(again, pool, key, [10]) == [True]
-    assert page_bytes(pool, 10) == put_last
+    assert await _got_once_off_l1(again, pool, clock, key) == put_last
 
 
 async def test_a_key_put_during_recovery_held_on_l3_alone_before_its_old_row_is_read_keeps_the_puts_bytes(
@@ -6033,3 +6046,37 @@ async def test_a_key_put_during_recovery_held_on_l3_alone_before_its_old_row_is_
     assert row not in reopened._medium.index
     assert await get(again, pool, key, [10]) == [True]
     assert page_bytes(pool, 10) == page_bytes(pool, 5)
+
+
+async def test_a_key_put_during_recovery_keeps_its_bytes_where_a_later_chunk_has_a_newer_row(
+    make_store,
+):
+    """A key with two rows from before the restart (a Delete whose L2 free failed, then a put
+    of other bytes), put again during recovery with its first life's bytes: the first row,
+    holding the put's bytes, became the block's L2 copy, and the newer row, read in a later
+    chunk, replaced it with no compare (dc749cb), so once the L1 copy was evicted a Get
+    served the second life's bytes. A later row replaces a put's copy only where it holds the
+    put's bytes; here it is freed."""
+    clock = Clock()
+    _, pool, key, medium = await _a_key_with_two_rows(make_store, clock)
+    first_life = page_bytes(pool, 0)
+    rows = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
+    assert len(rows) == 2
+    reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
+    again = make_store(clock, l2=reopened)
+    level = again.stack[TierKind.DISK]
+    chunks = level.slots.recover_chunks(2)  # rows: key, 3 others, key again: three chunks
+    again._recovering = reopened.allocator.recovering = True  # as ``_begin_recovery``
+    assert await put(again, pool, key, pages=[0]) == [PutResult.STORED]
+    await again.space.drain()
+    earlier, repeats = [], []
+    for chunk in chunks:
+        repeats.append(again._index_recovered(level, chunk, earlier))
+        earlier.append((chunk.slots, chunk.written_at))
+    again._recovering = reopened.allocator.recovering = False
+    again._put_in_recovery.clear()
+    await again._drop_repeated(level, np.concatenate(repeats))
+    await again.space.drain()
+    assert again.table.slot[again.table.lookup(0, key)[0], 1] == rows[0]
+    assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [rows[0]]
+    assert await _got_once_off_l1(again, pool, clock, key) == first_life
