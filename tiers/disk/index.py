@@ -330,19 +330,10 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ reading
 
-    def load(self, *, blocks: bool = True) -> tuple[list[tuple[int, int]], list[BlockRow]]:
-        """(quarantine rows ``(slot, nbytes)``, block rows unless ``blocks`` is False)."""
+    def quarantine_rows(self) -> list[tuple[int, int]]:
+        """The quarantine's rows, ``(slot, nbytes)`` (the block rows: ``rows_after``)."""
         with self._lock:
-            db = self._conn()
-            quarantine = db.execute("SELECT slot, nbytes FROM quarantine").fetchall()
-            rows = (
-                db.execute(
-                    "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
-                ).fetchall()
-                if blocks
-                else []
-            )
-        return quarantine, rows
+            return self._conn().execute("SELECT slot, nbytes FROM quarantine").fetchall()
 
     def quarantine_records(self) -> dict[int, tuple[str, float]]:
         """slot -> (reason, time) of each quarantine row."""

@@ -1993,7 +1993,7 @@ class DiskTier:
         short file's extension): the extents that failed are gone, so keeping them out of use
         would shrink the tier for good. Their rows are dropped (a drop that fails, the disk
         full, degrades the tier: the rows stay, and so do those slots held)."""
-        rows, _ = self._idx().load(blocks=False)
+        rows = self._idx().quarantine_rows()
         if not rows:
             return
         slots = np.fromiter((r[0] for r in rows), np.int64, len(rows))
