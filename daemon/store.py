@@ -2883,14 +2883,12 @@ class BlockStore:
                 continue
             held = bids[table.slot[bids, level.col] >= 0]
             if len(held):
-                slots = table.slot[held, level.col].tolist()
                 if level.persistent:
                     # Held against their owners' quotas until the tier has freed the
                     # slots, as evicted copies are (``SpaceManager.evict``).
-                    holds = self.space.hold_copies(level, held)
-                    table.clear_slots(held, level.col)
-                    self.space.free_held(level, slots, holds)
+                    self._free_copies(level, held)
                 else:
+                    slots = table.slot[held, level.col].tolist()
                     table.clear_slots(held, level.col)
                     level.slots.remove(slots)
         if reused is not None and len(reused) and (back := np.isin(bids, reused)).any():
