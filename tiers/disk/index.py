@@ -370,8 +370,8 @@ class DiskIndex:
         self, ns: int, label: str, *, wait_busy: bool = True, room: Room | None = None
     ) -> bool:
         """Record ``label`` for namespace ``ns``, with the records kept since their commit
-        failed. Raises what the commit raised (a full disk, a lock), and False where ``room``
-        refused it (``transaction``); the record is then kept and made by the next commit of
+        failed. Raises what the commit raised (a full disk, a lock), and returns False where
+        ``room`` refused it (``transaction``); the record is then kept and made by the next commit of
         block rows, in its transaction (``insert_when``), or of a record, so that no block
         row commits without its namespace's record. ``wait_busy=False``: a lock another
         process holds fails it at once, as in ``insert_when``."""

@@ -1081,7 +1081,8 @@ class DiskTier:
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
         where the filesystem has no room for it, it stays missing (tried again by the next
-        write's commit). Called at the open or holding the index (see ``_reserve_ready``)."""
+        commit that grows the index: ``_reserve_ready``). Called at the open or holding the
+        index."""
         path = self.directory / RESERVE_NAME
         short = RESERVE_BYTES - _allocated(path)
         if short <= 0:
@@ -1126,14 +1127,13 @@ class DiskTier:
     def _reserve_ready(self, what: str = "index commit") -> bool:
         """Whether the reserve is there for a commit that grows the index (a write's, a
         quarantine's, a namespace record's; ``_reserve_grown`` for the L3 removals journal's),
-        holding the index's growth that
-        the WAL holds (``growth_bytes``, this write's transaction included), which the WAL's
-        restart on the room a removal on a full disk gives back must grow the index file by,
-        and half of ``RESERVE_BYTES`` more for the removal's pages: made now where it is
-        short of ``RESERVE_BYTES`` (given back, never made, or removed or cut by hand, which
-        the tier does not see), then grown where the growth asks. Where either does not fit,
-        a full disk's fault is recorded and the write is not committed: committed in the room
-        a removal gave back, or with more growth than the reserve holds, it left a later
+        holding the index's growth that the WAL holds (``growth_bytes``, this commit's
+        transaction included), which the WAL's restart on the room a removal on a full disk
+        gives back must grow the index file by, and half of ``RESERVE_BYTES`` more for the
+        removal's pages: made now where it is short of ``RESERVE_BYTES`` (given back, never
+        made, or removed or cut by hand, which the tier does not see), then grown where the
+        growth asks. Where either does not fit, a full disk's fault is recorded and the
+        commit is refused: committed in the room a removal gave back, or with more growth than the reserve holds, it left a later
         removal on the full disk without room, which failed, its Delete answered with its
         rows kept (served again after a crash). Called at the open or holding the index, so
         no removal is using the room given back meanwhile."""
