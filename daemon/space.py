@@ -151,6 +151,11 @@ class SpaceManager:
         # (``BlockStore._abandon``), until seen gone or holding a copy again (``bare_rows``):
         # while there are none, a put looks for no such row among its keys.
         self.bare_refs: set[int] = set()
+        # While recovery reads the persistent tiers' rows (``BlockStore.recover``): a later
+        # row of a key may then replace the copy an earlier row gave its block
+        # (``BlockStore._replace_recovered``), so no copy is made from those tiers meanwhile
+        # (``_fastest_other``): a promotion kept the replaced row's bytes in L1, served after.
+        self.rows_unsettled = False
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
@@ -658,10 +663,11 @@ class SpaceManager:
         )
 
     def _fastest_other(self, bids: np.ndarray, dst: Level) -> np.ndarray:
-        """Per block, the column of the fastest tier other than ``dst`` holding it, or -1."""
+        """Per block, the column of the fastest tier other than ``dst`` holding it, or -1; a
+        persistent slot tier's copy is none while recovery reads rows (``rows_unsettled``)."""
         out = np.full(len(bids), -1, dtype=np.int64)
         for level in reversed(self.stack.levels):
-            if level is dst:
+            if level is dst or (self.rows_unsettled and level.persistent and not level.keyed):
                 continue
             out[self.table.slot[bids, level.col] >= 0] = level.col
         return out

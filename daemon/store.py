@@ -713,7 +713,7 @@ class BlockStore:
     def _begin_recovery(self) -> None:
         """Requests wait for recovery (``_after_recovery``) from now on, for at most
         ``RECOVERY_WAITS_FOR_S``."""
-        self._recovering = True
+        self._recovering = self.space.rows_unsettled = True
         self._recovery_waits_until = time.monotonic() + RECOVERY_WAITS_FOR_S
 
     async def _after_recovery(
@@ -2725,7 +2725,7 @@ class BlockStore:
                 total,
             )
         finally:
-            self._recovering = False
+            self._recovering = self.space.rows_unsettled = False
             self._put_in_recovery.clear()
             self.recovered.set()
         if total:

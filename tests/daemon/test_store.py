@@ -6080,3 +6080,45 @@ async def test_a_key_put_during_recovery_keeps_its_bytes_where_a_later_chunk_has
     assert again.table.slot[again.table.lookup(0, key)[0], 1] == rows[0]
     assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [rows[0]]
     assert await _got_once_off_l1(again, pool, clock, key) == first_life
+
+
+async def test_regression_a_get_during_recovery_kept_the_deleted_bytes_on_l1_past_a_newer_row(
+    make_store, monkeypatch
+):
+    """A key with two L2 rows from before the restart (a Delete whose free failed, then a
+    put of other bytes, answered persisted), read in different chunks: a Get between them
+    found the first row's block on L2 alone and promoted it to L1. The later chunk's newer
+    row then became the block's L2 copy, but the L1 copy of the first row's bytes stayed,
+    and every Get after recovery served the deleted version. No copy is made from a tier
+    recovery is still reading."""
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)  # key, 3 others, key again
+    clock = Clock()
+    _, pool, key, medium = await _a_key_with_two_rows(make_store, clock)
+    put_last = page_bytes(pool, 5)
+    reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
+    again = make_store(clock, l2=reopened)
+    first_read, go_on = asyncio.Event(), asyncio.Event()
+    run, chunks_asked = again.transfers.run, []
+
+    async def second_chunk_held(priority, fn, *args):
+        if fn is next:
+            chunks_asked.append(fn)
+            if len(chunks_asked) == 2:  # the first chunk is indexed
+                first_read.set()
+                await go_on.wait()
+        return await run(priority, fn, *args)
+
+    monkeypatch.setattr(again.transfers, "run", second_chunk_held)
+    again.start()
+    await asyncio.wait_for(first_read.wait(), 10)
+    assert where(again, key) == ["L2"]
+    assert await get(again, pool, key, [10]) == [True]  # the first row's, for now
+    await again.space.drain()
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    await again.space.drain()
+    pool.array[10 * pool.block_bytes : 11 * pool.block_bytes] = 0
+    assert await get(again, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == put_last
+    assert again.counters.get("recovered_repeats_dropped", tier="L2") == 1
+    assert again.check() == []
