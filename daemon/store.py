@@ -470,9 +470,10 @@ class BlockStore:
         self._recovery_waits_until = 0.0  # a request waits for recovery until then at most
         # Refs of blocks a put was writing when recovery gave them a copy (their key's row
         # from before this start), each with the levels whose recovered copy the put has not
-        # replaced: should the put fail, they keep that copy (``_abandon``); should it
-        # succeed, those copies go (``_drop_put_over``): the row may hold other bytes.
-        self._recovered_under_put: dict[int, set[int]] = {}
+        # replaced and that copy's size (the block's is the put's until it ends): should the
+        # put fail, they keep that copy at its size (``_abandon``); should it succeed, those
+        # copies go (``_drop_put_over``): the row may hold other bytes.
+        self._recovered_under_put: dict[int, dict[int, int]] = {}
         # Refs of blocks puts committed while recovery ran: a row of their key read later is
         # older than the put, and taken only where it holds the put's bytes
         # (``_index_recovered``), whichever tier the put's copy is on by then.
@@ -1559,7 +1560,7 @@ class BlockStore:
             self._free_copies(level, replaced)
             for ref in table.refs(replaced).tolist():
                 if (cols := self._recovered_under_put.get(ref)) is not None:
-                    cols.discard(level.col)
+                    cols.pop(level.col, None)
         if ok == 1:  # a single-key put: the slot and checksum as scalars
             table.set_slots(stored, level.col, outs.slots.item(0))
             if level.checksummed:
@@ -1658,7 +1659,7 @@ class BlockStore:
         put's copies are evicted. A copy of the put's bytes stays (the key as durable as it
         was)."""
         refs = self.table.refs(bids).tolist()
-        cols = [self._recovered_under_put.pop(r, set()) for r in refs]
+        cols = [self._recovered_under_put.pop(r, {}) for r in refs]
         for level in self.stack:
             over = bids[[level.col in c for c in cols]]
             if len(over):
@@ -2804,9 +2805,8 @@ class BlockStore:
         seen = now_mono - np.maximum(0.0, now_wall - chunk.written_at)
         table.set_slots(bids, level.col, chunk.slots)
         table.set_checksums(bids, level.col, chunk.checksums)
-        if len(writing := bids[table.state[bids] == WRITING]):
-            for ref in table.refs(writing).tolist():
-                self._recovered_under_put.setdefault(ref, set()).add(level.col)
+        if len(at := np.flatnonzero(table.state[bids] == WRITING)):
+            self._under_put(level, bids[at], chunk.nbytes[at])
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
         # A block a put is still writing joins the policies when that put commits it, as a
         # new block does, or with this copy alone if the put fails (``_abandon``).
@@ -2830,12 +2830,21 @@ class BlockStore:
         table.clear_slots(bids, level.col)
         # A block with no other copy takes the row's size (its key put again with another
         # layout); one with a copy elsewhere, or that a put is writing (its copy not yet
-        # recorded), keeps its own.
+        # recorded), keeps its own: the row's is noted for the put's failure (``_under_put``).
         alone = (table.slot[bids] < 0).all(axis=1) & (table.state[bids] != WRITING)
         table.nbytes[bids[alone]] = rows.nbytes[alone]
         table.set_slots(bids, level.col, rows.slots)
         table.set_checksums(bids, level.col, rows.checksums)
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
+        if (writing := table.state[bids] == WRITING).any():
+            self._under_put(level, bids[writing], rows.nbytes[writing])
+
+    def _under_put(self, level: Level, bids: np.ndarray, nbytes: np.ndarray) -> None:
+        """Note the copies recovery gave ``bids`` (blocks a put is writing) on ``level``, of
+        ``nbytes`` each (``_recovered_under_put``)."""
+        under = self._recovered_under_put
+        for ref, size in zip(self.table.refs(bids).tolist(), nbytes.tolist(), strict=True):
+            under.setdefault(ref, {})[level.col] = size
 
     async def _drop_repeated(self, level: Level, slots: np.ndarray) -> None:
         """Delete the rows (and free the slots) of recovered copies of a key that ``level``
@@ -2869,14 +2878,12 @@ class BlockStore:
         if len(bids):
             self._writes_settled()
         if self._recovered_under_put and len(bids):
-            refs = table.refs(bids).tolist()
             under = self._recovered_under_put
-            recovered = np.fromiter((r in under for r in refs), bool, len(refs))
-            for r in refs:
-                under.pop(r, None)
+            copies = [under.pop(r, None) for r in table.refs(bids).tolist()]
+            recovered = np.fromiter((c is not None for c in copies), bool, len(copies))
             if recovered.any():
                 kept = bids[recovered]
-                self._keep_recovered(kept)
+                self._keep_recovered(kept, [c for c in copies if c is not None])
                 bids = bids[~recovered]
         for level in self.stack:
             if level.keyed or len(bids) == 0:
@@ -2932,11 +2939,13 @@ class BlockStore:
         table.owner[rows] = owner
         add_at(table.inflight, rows, 1)
 
-    def _keep_recovered(self, bids: np.ndarray) -> None:
+    def _keep_recovered(self, bids: np.ndarray, copies: list[dict[int, int]]) -> None:
         """Make blocks a failed put claimed, which recovery gave copies on persistent tiers
         while it wrote them, the recovered blocks they are: the put's own copies on volatile
         tiers go (no policy knows them), the persistent copies join their policies as
-        recovery's do, and the blocks are visible again, with no parent (as recovered)."""
+        recovery's do, at their rows' sizes (``copies``: per block, the columns and sizes of
+        those the put did not replace; the block had the put's, of another layout maybe),
+        and the blocks are visible again, with no parent (as recovered)."""
         table = self.table
         for level in self.stack:
             if level.keyed or level.persistent:
@@ -2946,6 +2955,15 @@ class BlockStore:
                 slots = table.slot[held, level.col].tolist()
                 table.clear_slots(held, level.col)
                 level.slots.remove(slots)
+        for bid, sizes in zip(bids.tolist(), copies, strict=True):
+            for col, size in sizes.items():
+                if (slot := int(table.slot[bid, col])) >= 0 and size != table.nbytes[bid]:
+                    # Counted in the owner's usage at the block's size: taken out at the old
+                    # one, back in at the row's.
+                    one = np.array([bid], dtype=np.int64)
+                    table.clear_slots(one, col)
+                    table.nbytes[bid] = size
+                    table.set_slots(one, col, slot)
         add_at(table.inflight, bids, -1)  # the put's mark (see ``_commit_new``)
         table.state[bids] = READY
         for level in self.stack:

@@ -2945,6 +2945,20 @@ async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_reject
     assert len(asked) == 2 * first_try  # what one try asks
 
 
+def _no_room_once_the_index_is_read(store, monkeypatch) -> None:
+    """``store``'s next reservation (a put's) finds no room, once it has read the L2 index
+    (recovery under the put, while it waits for room)."""
+    level = store.stack[TierKind.DISK]
+    index = level.slots.recover_chunks()
+
+    async def no_room_once_the_index_is_read(*args, **kwargs):
+        for chunk in index:
+            store._index_recovered(level, chunk)
+        return []
+
+    monkeypatch.setattr(store.space, "reserve", no_room_once_the_index_is_read)
+
+
 @pytest.mark.parametrize("n", [1, 3], ids=["one-key", "batch"])
 async def test_regression_a_put_with_no_room_for_keys_recovery_read_under_it_answers_exists(
     make_store, monkeypatch, n
@@ -2961,15 +2975,7 @@ async def test_regression_a_put_with_no_room_for_keys_recovery_read_under_it_ans
     want = [page_bytes(pool, p) for p in range(n)]
     await store.stop(flush=False)
     again = make_store(clock, l2=l2.reopen())
-    level = again.stack[TierKind.DISK]
-    index = level.slots.recover_chunks()
-
-    async def no_room_once_the_index_is_read(*args, **kwargs):
-        for chunk in index:  # read under the put, while it waits for room
-            again._index_recovered(level, chunk)
-        return []
-
-    monkeypatch.setattr(again.space, "reserve", no_room_once_the_index_is_read)
+    _no_room_once_the_index_is_read(again, monkeypatch)
     assert await put(again, pool, chain, pages=range(10, 10 + n)) == [PutResult.EXISTS] * n
     assert again.counters.get("put_blocks", result="existing") == n
     monkeypatch.undo()
@@ -6121,4 +6127,32 @@ async def test_regression_a_get_during_recovery_kept_the_deleted_bytes_on_l1_pas
     assert await get(again, pool, key, [10]) == [True]
     assert page_bytes(pool, 10) == put_last
     assert again.counters.get("recovered_repeats_dropped", tier="L2") == 1
+    assert again.check() == []
+
+
+async def test_regression_a_failed_put_of_another_size_kept_the_recovered_copy_at_its_size(
+    make_store, monkeypatch
+):
+    """A put of a key L2 held from before a restart with another layout (2048-byte blocks,
+    the put's 4096), made while recovery read the index, and refused room: the block keeps
+    the copy recovery gave it meanwhile (``_keep_recovered``), but with the put's size, not
+    the row's. A Get of the key's own 2048 bytes was refused (InvalidArgument: stored with
+    4096 bytes), one of 4096 read past the row and failed its checksum, and the tenant's
+    L2 usage counted 4096 bytes for the row's 2048."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool, small = make_store(clock, l2=l2), make_pool(), make_pool(2048)
+    key = keys(1)
+    assert (await put(store, small, key, pages=[3], durable=True))[1] == [True]
+    want = page_bytes(small, 3)
+    await store.stop(flush=False)
+    again = make_store(clock, l2=l2.reopen())
+    _no_room_once_the_index_is_read(again, monkeypatch)
+    assert await put(again, pool, key, pages=[7]) == [PutResult.EXISTS]
+    monkeypatch.undo()
+    assert where(again, key) == ["L2"]
+    assert again.table.nbytes[again.table.lookup(0, key)[0]] == 2048
+    assert again.table.usage[1, 0] == 2048
+    assert await get(again, small, key, [20]) == [True]
+    assert page_bytes(small, 20) == want
     assert again.check() == []
