@@ -388,6 +388,14 @@ def checked_int(value: object, what: str, minimum: int | None = None) -> int:
     return number
 
 
+# The longest duration a call or a wait takes (about 31 years). gRPC's deadline is the time
+# since 1970 in int64 nanoseconds (up to some 292 years), and a later one failed the call at
+# once with DEADLINE_EXCEEDED; a thread's wait refuses a timeout past that too (OverflowError,
+# ``threading.TIMEOUT_MAX``). Well within both, with room for what the client adds (a pinning
+# Lookup's ``ANSWER_GRACE_S``, a Check's settle).
+MAX_SECONDS = 1e9
+
+
 def checked_seconds(
     value: object, what: str, *, optional: bool = True, forever: bool = False
 ) -> float | None:
@@ -395,18 +403,28 @@ def checked_seconds(
     is None: no limit); None passes when ``optional``. InvalidArgumentError naming ``what``
     otherwise: gRPC failed a call with a negative, NaN or infinite timeout as
     DEADLINE_EXCEEDED and a str one with a TypeError of its own, and a job's wait treated
-    NaN one way in the sync client and another in the asyncio one."""
+    NaN one way in the sync client and another in the asyncio one. Past ``MAX_SECONDS``, no
+    limit where ``forever``, else refused (gRPC failed such a call at once with
+    DEADLINE_EXCEEDED, and a thread's wait raised OverflowError, as ``float()`` of an int
+    past a float's range did)."""
     if value is None and optional:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"{what}: expected a number of seconds, not {value!r}")
-    seconds = float(value)
-    if forever and seconds == math.inf:
-        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past a float's range
+        seconds = math.inf if value > 0 else -math.inf  # type: ignore[operator]
+    if forever and seconds > MAX_SECONDS:
+        return None  # as long as no limit
     if not 0 <= seconds < math.inf:  # False for NaN
         finite = "" if forever else "finite "
         raise InvalidArgumentError(
             f"{what}: expected a {finite}number of seconds >= 0, not {value!r}"
+        )
+    if seconds > MAX_SECONDS:
+        raise InvalidArgumentError(
+            f"{what}: expected at most {MAX_SECONDS:g} seconds (about 31 years), not {value!r}"
         )
     return seconds
 

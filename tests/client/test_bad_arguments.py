@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +142,10 @@ CASES: list[tuple[str, Call, str]] = [
     ("lookup-nan-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("nan")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("lookup-inf-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("inf")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not inf$"),
     ("lookup-str-timeout", lambda c, p: c.lookup([KEY], timeout_s="1"), r"^Lookup: timeout_s: expected a number of seconds, not '1'$"),
+    ("lookup-years-timeout", lambda c, p: c.lookup([KEY], timeout_s=1e10), r"^Lookup: timeout_s: expected at most 1e\+09 seconds \(about 31 years\), not 10000000000.0$"),
+    ("lookup-pin-years-timeout", lambda c, p: c.lookup([KEY], pin=True, timeout_s=2**63), r"^Lookup: timeout_s: expected at most 1e\+09 seconds \(about 31 years\), not 9223372036854775808$"),
+    ("put-int-past-float-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=10**400), r"^Put: timeout_s: expected a finite number of seconds >= 0, not 1000+$"),
+    ("get-int-past-float-negative-timeout", lambda c, p: c.get(p.pool_id, [KEY], [0], timeout_s=-(10**400)), r"^Get: timeout_s: expected a finite number of seconds >= 0, not -1000+$"),
     ("put-negative-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=True, timeout_s=-1), r"^Put: timeout_s: expected a finite number of seconds >= 0, not -1$"),
     ("put-nan-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=float("nan")), r"^Put: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("get-inf-timeout", lambda c, p: c.get(p.pool_id, [KEY], [0], timeout_s=float("inf")), r"^Get: timeout_s: expected a finite number of seconds >= 0, not inf$"),
@@ -327,6 +332,11 @@ def test_the_clients_check_list_bound_is_the_daemons():
         ({"timeout_s": -1.0}, r"^timeout_s: expected a finite number of seconds >= 0, not -1.0$"),
         ({"timeout_s": float("nan")}, r"^timeout_s: expected a finite number .*, not nan$"),
         ({"timeout_s": 0}, r"^timeout_s: must be more than 0 \(got 0\)$"),
+        (
+            {"timeout_s": 1e10},
+            r"^timeout_s: expected at most 1e\+09 seconds .*, not 10000000000.0$",
+        ),
+        ({"timeout_s": 10**400}, r"^timeout_s: expected a finite number .*, not 1000+$"),
         ({"max_batch_blocks": 0}, r"^max_batch_blocks: must be at least 1 \(got 0\)$"),
         ({"max_batch_blocks": 2.5}, r"^max_batch_blocks: expected int, not float$"),
         ({"max_batch_blocks": True}, r"^max_batch_blocks: expected int, not bool$"),
@@ -335,11 +345,13 @@ def test_the_clients_check_list_bound_is_the_daemons():
         ({"token": 5}, r"^token: expected bytes or str, not int$"),
         ({"token": bytearray(b"t")}, r"^token: expected bytes or str, not bytearray$"),
     ],
-    ids=lambda v: "-".join(f"{k}={v[k]!r}" for k in v) if isinstance(v, dict) else "",
+    ids=lambda v: "-".join(f"{k}={v[k]!r}"[:40] for k in v) if isinstance(v, dict) else "",
 )
 def test_a_clients_own_settings_are_checked_at_construction(client_type, kwargs, message):
     """A str timeout failed every call inside gRPC with a TypeError, a zero batch size every
-    store with range()'s ValueError, and a token_file of 0 read the process's stdin."""
+    store with range()'s ValueError, and a token_file of 0 read the process's stdin. A
+    timeout of more years than gRPC's deadline holds (1e10 s) failed every call at once with
+    DEADLINE_EXCEEDED, and an int past a float's range raised OverflowError."""
     with pytest.raises(InvalidArgumentError, match=message):
         client_type("unix:/nonexistent.sock", **kwargs)
 
@@ -416,6 +428,82 @@ async def test_an_async_jobs_waits_refuse_bad_arguments(shared_daemon, shm, call
                 await result
         assert (await job.wait(float("inf"))).finished
         assert await job.wait_layers(2) is not None
+
+
+class HeldGets:
+    """A stub's ``Get`` whose calls' answers reach the job only once ``gate`` is set."""
+
+    def __init__(self, get: Any) -> None:
+        self._get = get
+        self.gate = threading.Event()
+
+    def future(self, request: Any, **kwargs: Any) -> Any:
+        fut = self._get.future(request, **kwargs)
+        held = self
+
+        class Held:
+            def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+                def later(_: Any) -> None:
+                    threading.Thread(target=lambda: (held.gate.wait(10), fn(fut))).start()
+
+                fut.add_done_callback(later)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(fut, name)
+
+        return Held()
+
+
+def _opened_once_waited(job: Any, gate: threading.Event) -> threading.Thread:
+    """A thread that sets ``gate`` once a thread waits on ``job`` (at most 10 s)."""
+
+    def opener() -> None:
+        for _ in range(1000):  # a bound on the wait, not a timing
+            if job._cond._waiters:
+                break
+            threading.Event().wait(0.01)
+        gate.set()
+
+    thread = threading.Thread(target=opener)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout_s", [1e10, 2**63, 10**400], ids=["1e10", "2**63", "10**400"])
+@pytest.mark.parametrize("which", ["wait", "wait_layers"])
+def test_regression_a_jobs_wait_longer_than_threading_takes_raised_overflow_error(
+    shared_daemon, shm, timeout_s, which
+):
+    """A wait of more years than a thread's wait takes (``threading.TIMEOUT_MAX``, some 292)
+    raised OverflowError (no client error) where the job was still running, and an int past
+    a float's range did in both clients: such a wait is as long as one without a limit, and
+    is waited so."""
+    with Client(shared_daemon.address) as client:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        client.stub.Get = held = HeldGets(client.stub.Get)
+        job = client.submit_load(pool, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=2)
+        opener = _opened_once_waited(job, held.gate)
+        try:
+            if which == "wait":
+                assert job.wait(timeout_s).finished
+            else:
+                assert job.wait_layers(2, timeout_s=timeout_s) is not None
+        finally:
+            held.gate.set()
+            opener.join()
+        assert client.wait(job.job_id, timeout_s).finished
+
+
+@pytest.mark.parametrize("timeout_s", [1e10, 10**400], ids=["1e10", "10**400"])
+async def test_regression_an_async_jobs_wait_of_an_int_past_a_float_raised_overflow_error(
+    shared_daemon, shm, timeout_s
+):
+    async with AsyncClient(shared_daemon.address) as client:
+        pool = await client.register_pool(shm, LAYOUT, NS)
+        job = await client.submit_load(pool, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=2)
+        assert await job.wait_layers(2, timeout_s=timeout_s) is not None
+        assert (await job.wait(timeout_s)).finished
 
 
 # ------------------------------------------------- what works where ints go
