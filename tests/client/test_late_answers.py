@@ -26,6 +26,8 @@ import pytest
 from races import wait_for
 
 from kvtier.client import AsyncClient, Client, DeadlineExceededError, PoolLayout, SharedMemoryPool
+from kvtier.client import aio as client_aio
+from kvtier.client import sync as client_sync
 from kvtier.daemon.credentials import CRED_SUFFIX
 
 LOOKUP_TIMEOUT_S = 0.1
@@ -85,9 +87,21 @@ class LateProxy:
             s.close()
 
 
+# How long past the caller's time a pinning Lookup's call runs on in these tests. The
+# client's ``ANSWER_GRACE_S`` (2 s) held the outcome to a timing: where the test took longer
+# than that from the Lookup's send to the gate's opening (its polls each open a session, on
+# a busy machine), gRPC's deadline passed first, the answer was dropped and its blocks stayed
+# pinned (so a late answer never arrived, and the tests failed).
+LONG_GRACE_S = 60.0
+
+
 @pytest.fixture
-def late(daemon: Any) -> Iterator[LateProxy]:
-    """A ``LateProxy`` in front of ``daemon``."""
+def late(daemon: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[LateProxy]:
+    """A ``LateProxy`` in front of ``daemon``; pinning Lookups run ``LONG_GRACE_S`` past
+    their caller's time, so the gate opens before their gRPC deadline however long the test
+    takes to open it."""
+    monkeypatch.setattr(client_sync, "ANSWER_GRACE_S", LONG_GRACE_S)
+    monkeypatch.setattr(client_aio, "ANSWER_GRACE_S", LONG_GRACE_S)
     folder = Path(daemon.socket).parent
     proxy = LateProxy(daemon.socket, folder / "late.sock")
     try:
