@@ -396,6 +396,15 @@ def checked_int(value: object, what: str, minimum: int | None = None) -> int:
 MAX_SECONDS = 1e9
 
 
+def as_float(value: Any) -> float:
+    """``float(value)``, where an int past a float's range (OverflowError) is the infinity of
+    its sign: refused, or taken as no limit, by the check that follows."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def checked_seconds(
     value: object, what: str, *, optional: bool = True, forever: bool = False
 ) -> float | None:
@@ -411,10 +420,7 @@ def checked_seconds(
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"{what}: expected a number of seconds, not {value!r}")
-    try:
-        seconds = float(value)
-    except OverflowError:  # an int past a float's range
-        seconds = math.inf if value > 0 else -math.inf  # type: ignore[operator]
+    seconds = as_float(value)
     if forever and seconds > MAX_SECONDS:
         return None  # as long as no limit
     if not 0 <= seconds < math.inf:  # False for NaN

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -37,7 +36,7 @@ from typing import Any
 
 from kvtier.client.integrations.fingerprint import folder_name, weights_dir_fingerprint
 from kvtier.client.keys import Namespace
-from kvtier.client.types import pool_address_problem
+from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, LayerLayout
 
 KEY_SCHEME = "sglang-hicache-v1"
@@ -134,11 +133,17 @@ class StorageOptions:
         if (problem := pool_address_problem(self.address)) is not None:
             raise ValueError(f"{where}['address']: {problem}")
         for name in ("lookup_timeout_s", "io_timeout_s", "retry_after_s"):
-            # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait.
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{where}[{name!r}] must be positive and finite")
-        if not 0 <= self.late_copy_grace_s < math.inf:
-            raise ValueError(f"{where}['late_copy_grace_s'] must be finite and not negative")
+            # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait; so
+            # did a time past MAX_SECONDS (the client refuses it, naming no option).
+            if not 0 < getattr(self, name) <= MAX_SECONDS:
+                raise ValueError(
+                    f"{where}[{name!r}] must be positive and finite (at most {MAX_SECONDS:g} s)"
+                )
+        if not 0 <= self.late_copy_grace_s <= MAX_SECONDS:
+            raise ValueError(
+                f"{where}['late_copy_grace_s'] must be finite and not negative (at most "
+                f"{MAX_SECONDS:g} s)"
+            )
         if self.staging_bytes < 1:
             raise ValueError(f"{where}['staging_bytes'] must be at least 1")
 
@@ -167,7 +172,7 @@ def _parse(cls: Any, raw: Any, where: str) -> Any:
         elif typ == "float":
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{here} must be a number, not {value!r}")
-            values[key] = float(value)
+            values[key] = as_float(value)
         elif typ == "str":
             if not isinstance(value, str):
                 raise ValueError(f"{here} must be a string, not {value!r}")

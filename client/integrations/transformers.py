@@ -69,7 +69,7 @@ from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
-from kvtier.client.types import Tier
+from kvtier.client.types import MAX_SECONDS, Tier
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, PoolLayout
 
 try:
@@ -261,8 +261,10 @@ class KVTierPrefixCache:
     ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
-        if not 0 < retry_after_s < math.inf:
-            raise ValueError("retry_after_s must be positive and finite")
+        if not 0 < retry_after_s <= MAX_SECONDS:
+            raise ValueError(
+                f"retry_after_s must be positive and finite (at most {MAX_SECONDS:g} s)"
+            )
         if staging_tokens < block_tokens:
             raise ValueError("staging_tokens must hold at least one block")
         self.model = model

@@ -34,7 +34,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from kvtier.client.integrations.fingerprint import (
     weights_dir_fingerprint,
 )
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
-from kvtier.client.types import pool_address_problem
+from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +204,13 @@ class ConnectorConfig:
             "retry_after_s",
             "shutdown_timeout_s",
         ):
-            # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait.
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"kvtier connector: {name} must be positive and finite")
+            # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait; so
+            # did a time past MAX_SECONDS (the client refuses it, naming no option).
+            if not 0 < getattr(self, name) <= MAX_SECONDS:
+                raise ValueError(
+                    f"kvtier connector: {name} must be positive and finite (at most "
+                    f"{MAX_SECONDS:g} s)"
+                )
 
     @property
     def load_tier_values(self) -> frozenset[int]:
@@ -239,7 +242,7 @@ def _convert(key: str, typ: Any, raw: Any) -> Any:
     if typ == "float":
         if isinstance(raw, bool) or not isinstance(raw, int | float):
             raise ValueError(f"{where} must be a number, not {raw!r}")
-        return float(raw)
+        return as_float(raw)
     if typ == "str":
         if not isinstance(raw, str):
             raise ValueError(f"{where} must be a string, not {raw!r}")

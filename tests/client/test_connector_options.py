@@ -13,6 +13,12 @@ from kvtier.client.integrations.sglang_config import StorageOptions
 from kvtier.client.integrations.transformers import KVTierPrefixCache
 from kvtier.client.integrations.vllm_config import ConnectorConfig
 
+# Times of more years than the clients take (``kvtier.client.types.MAX_SECONDS``): they
+# passed these checks, and the connector's client refused them (or, before it did, every
+# call failed at once DEADLINE_EXCEEDED, a breaker's Event.wait raised OverflowError in its
+# thread), an error that did not name the option.
+YEARS = [pytest.param(1e10, id="1e10"), pytest.param(10**400, id="10**400")]
+
 # Each connector's options from its extra config.
 CONNECTORS = {
     "vllm": ConnectorConfig.from_extra_config,
@@ -24,13 +30,26 @@ CONNECTORS = {
     "name",
     ["lookup_timeout_s", "load_timeout_s", "save_timeout_s", "retry_after_s", "shutdown_timeout_s"],
 )
-@pytest.mark.parametrize("value", [math.inf, math.nan, 0])
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0, *YEARS])
 def test_the_vllm_connectors_times_are_positive_and_finite(name: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"{name} must be positive and finite"):
         ConnectorConfig.from_extra_config({name: value})
 
 
-@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0, -1.0])
+@pytest.mark.parametrize("name", ["lookup_timeout_s", "io_timeout_s", "retry_after_s"])
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0, *YEARS])
+def test_the_sglang_connectors_times_are_positive_and_finite(name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"\[{name!r}\] must be positive and finite"):
+        StorageOptions.from_extra_config({name: value})
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, -1.0, *YEARS])
+def test_the_sglang_connectors_late_copy_grace_is_finite(value: float) -> None:
+    with pytest.raises(ValueError, match=r"\['late_copy_grace_s'\] must be finite and not neg"):
+        StorageOptions.from_extra_config({"late_copy_grace_s": value})
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0, -1.0, *YEARS])
 def test_the_transformers_retry_after_is_positive_and_finite(value: float) -> None:
     with pytest.raises(ValueError, match="retry_after_s must be positive and finite"):
         KVTierPrefixCache(None, None, retry_after_s=value)  # type: ignore[arg-type]
