@@ -59,6 +59,7 @@ from kvtier.client.types import (
     checked_seconds,
     checked_type,
     sequence_len,
+    shown,
 )
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -187,19 +188,19 @@ def layer_ranges(
         # Each bound an integer as given: int() truncated floats and parsed strs.
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidArgumentError(
-                f"layer_groups: range {i}: expected a (begin, end) pair, not {pair!r}"
+                f"layer_groups: range {i}: expected a (begin, end) pair, not {shown(pair)}"
             )
         ranges.append(tuple(checked_int(b, f"layer_groups: range {i}") for b in pair))
     expect = 0
     for b, e in ranges:
         if b != expect or e <= b:
             raise InvalidArgumentError(
-                f"layer_groups: ranges {ranges} must tile [0, {num_layers}) in order"
+                f"layer_groups: ranges {shown(ranges)} must tile [0, {num_layers}) in order"
             )
         expect = e
     if expect != num_layers:
         raise InvalidArgumentError(
-            f"layer_groups: ranges {ranges} must tile [0, {num_layers}) in order"
+            f"layer_groups: ranges {shown(ranges)} must tile [0, {num_layers}) in order"
         )
     return ranges  # type: ignore[return-value]
 
@@ -1013,7 +1014,9 @@ class JobTable:
         with self.lock:
             job = self.jobs.get(job_id)
         if job is None:
-            raise NotFoundError(f"no job {job_id} (never submitted, or its result was taken)")
+            raise NotFoundError(
+                f"no job {shown(job_id)} (never submitted, or its result was taken)"
+            )
         return job
 
     def forget(self, job_id: int) -> None:

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError
-from kvtier.client.types import checked_int
+from kvtier.client.types import checked_int, shown
 
 # The daemon's gRPC server keeps at most 256 calls open on one connection (its
 # MAX_STREAMS_PER_CONNECTION); the client's session stream takes one of them.
@@ -56,7 +56,7 @@ def checked_max_calls_open(value: object) -> int:
     limit = checked_int(value, "max_calls_open", minimum=1)
     if limit > MAX_CALLS_OPEN_LIMIT:
         raise InvalidArgumentError(
-            f"max_calls_open: must be at most {MAX_CALLS_OPEN_LIMIT} (got {limit}): the "
+            f"max_calls_open: must be at most {MAX_CALLS_OPEN_LIMIT} (got {shown(limit)}): the "
             "daemon keeps 256 calls open per connection, one of them the session's, and "
             "refuses the rest"
         )

@@ -384,7 +384,7 @@ def checked_int(value: object, what: str, minimum: int | None = None) -> int:
     except TypeError:
         raise InvalidArgumentError(f"{what}: expected int, not {type(value).__name__}") from None
     if minimum is not None and number < minimum:
-        raise InvalidArgumentError(f"{what}: must be at least {minimum} (got {number})")
+        raise InvalidArgumentError(f"{what}: must be at least {minimum} (got {shown(number)})")
     return number
 
 
@@ -426,13 +426,25 @@ def checked_seconds(
     if not 0 <= seconds < math.inf:  # False for NaN
         finite = "" if forever else "finite "
         raise InvalidArgumentError(
-            f"{what}: expected a {finite}number of seconds >= 0, not {value!r}"
+            f"{what}: expected a {finite}number of seconds >= 0, not {shown(value)}"
         )
     if seconds > MAX_SECONDS:
         raise InvalidArgumentError(
-            f"{what}: expected at most {MAX_SECONDS:g} seconds (about 31 years), not {value!r}"
+            f"{what}: expected at most {MAX_SECONDS:g} seconds (about 31 years), not {shown(value)}"
         )
     return seconds
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error's message, but for an int too long to read its sign and
+    size, and for a container holding one its type: Python refuses the repr of an int past
+    4,300 digits (ValueError), so a message naming one failed with that, untyped."""
+    if isinstance(value, int) and value.bit_length() > 1000:
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+    try:
+        return repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} holding an int of more than 4,300 digits"
 
 
 def checked_type(value: T, types: type | tuple[type, ...], what: str) -> T:
@@ -471,7 +483,7 @@ def check_request(settle_s: float, list_limit: int = 0) -> pb.CheckRequest:
     else:
         ok = settle_s >= 0  # False for NaN
     if not ok:
-        raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
+        raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {shown(settle_s)})")
     return build_request(
         pb.CheckRequest,
         # In floats once cut: a NumPy integer's own type overflowed (np.int8(3) * 1000), and
@@ -582,7 +594,9 @@ def tier_value(tier: Tier | int | str) -> pb.Tier:
         raise InvalidArgumentError(f"Evict: tier: unknown tier {tier!r}; one of L0, L1, L2, L3")
     number = checked_int(tier, "Evict: tier")
     if number not in _TIER_BY_VALUE or number == Tier.ABSENT:
-        raise InvalidArgumentError(f"Evict: tier: unknown tier {number}; one of L0, L1, L2, L3")
+        raise InvalidArgumentError(
+            f"Evict: tier: unknown tier {shown(number)}; one of L0, L1, L2, L3"
+        )
     return tier_enum(number)
 
 

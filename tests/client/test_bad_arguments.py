@@ -29,6 +29,7 @@ from kvtier.client import (
     KvtierError,
     LoadSegment,
     Namespace,
+    NotFoundError,
     PermissionDeniedError,
     PoolLayout,
     SaveSegment,
@@ -136,6 +137,10 @@ CASES: list[tuple[str, Call, str]] = [
     ("evict-none-tier", lambda c, p: c.evict([KEY], None), r"^Evict: tier: expected int, not NoneType$"),
     ("evict-tier-99", lambda c, p: c.evict([KEY], 99), r"^Evict: tier: unknown tier 99; one of L0, L1, L2, L3$"),
     ("evict-tier-absent", lambda c, p: c.evict([KEY], 0), r"^Evict: tier: unknown tier 0; one of L0, L1, L2, L3$"),
+    ("evict-tier-past-4300-digits", lambda c, p: c.evict([KEY], 10**5000), r"^Evict: tier: unknown tier an int of 16610 bits; one of L0, L1, L2, L3$"),
+    ("check-settle-past-4300-digits", lambda c, p: c.check(settle_s=-(10**5000)), r"^Check: settle_s must be a number >= 0 \(got a negative int of 16610 bits\)$"),
+    ("load-groups-past-4300-digits", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=-(10**5000)), r"^layer_groups: must be at least 1 \(got a negative int of 16610 bits\)$"),
+    ("load-ranges-past-4300-digits", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=[(0, 10**5000)]), r"^layer_groups: ranges a list holding an int of more than 4,300 digits must tile \[0, 2\) in order$"),
     # numbers of seconds
     ("check-bool-settle", lambda c, p: c.check(settle_s=True), r"^Check: settle_s must be a number >= 0 \(got True\)$"),
     ("lookup-negative-timeout", lambda c, p: c.lookup([KEY], timeout_s=-1), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not -1$"),
@@ -144,8 +149,8 @@ CASES: list[tuple[str, Call, str]] = [
     ("lookup-str-timeout", lambda c, p: c.lookup([KEY], timeout_s="1"), r"^Lookup: timeout_s: expected a number of seconds, not '1'$"),
     ("lookup-years-timeout", lambda c, p: c.lookup([KEY], timeout_s=1e10), r"^Lookup: timeout_s: expected at most 1e\+09 seconds \(about 31 years\), not 10000000000.0$"),
     ("lookup-pin-years-timeout", lambda c, p: c.lookup([KEY], pin=True, timeout_s=2**63), r"^Lookup: timeout_s: expected at most 1e\+09 seconds \(about 31 years\), not 9223372036854775808$"),
-    ("put-int-past-float-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=10**400), r"^Put: timeout_s: expected a finite number of seconds >= 0, not 1000+$"),
-    ("get-int-past-float-negative-timeout", lambda c, p: c.get(p.pool_id, [KEY], [0], timeout_s=-(10**400)), r"^Get: timeout_s: expected a finite number of seconds >= 0, not -1000+$"),
+    ("put-int-past-float-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=10**400), r"^Put: timeout_s: expected a finite number of seconds >= 0, not an int of 1329 bits$"),
+    ("get-int-past-float-negative-timeout", lambda c, p: c.get(p.pool_id, [KEY], [0], timeout_s=-(10**400)), r"^Get: timeout_s: expected a finite number of seconds >= 0, not a negative int of 1329 bits$"),
     ("put-negative-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=True, timeout_s=-1), r"^Put: timeout_s: expected a finite number of seconds >= 0, not -1$"),
     ("put-nan-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=float("nan")), r"^Put: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("get-inf-timeout", lambda c, p: c.get(p.pool_id, [KEY], [0], timeout_s=float("inf")), r"^Get: timeout_s: expected a finite number of seconds >= 0, not inf$"),
@@ -336,8 +341,21 @@ def test_the_clients_check_list_bound_is_the_daemons():
             {"timeout_s": 1e10},
             r"^timeout_s: expected at most 1e\+09 seconds .*, not 10000000000.0$",
         ),
-        ({"timeout_s": 10**400}, r"^timeout_s: expected a finite number .*, not 1000+$"),
+        (
+            {"timeout_s": 10**400},
+            r"^timeout_s: expected a finite number .*, not an int of 1329 bits$",
+        ),
         ({"max_batch_blocks": 0}, r"^max_batch_blocks: must be at least 1 \(got 0\)$"),
+        pytest.param(
+            {"max_batch_blocks": -(10**5000)},
+            r"^max_batch_blocks: must be at least 1 \(got a negative int of 16610 bits\)$",
+            id="max_batch_blocks=-(10**5000)",
+        ),
+        pytest.param(
+            {"max_calls_open": 10**5000},
+            r"^max_calls_open: must be at most 255 \(got an int of 16610 bits\): ",
+            id="max_calls_open=10**5000",
+        ),
         ({"max_batch_blocks": 2.5}, r"^max_batch_blocks: expected int, not float$"),
         ({"max_batch_blocks": True}, r"^max_batch_blocks: expected int, not bool$"),
         ({"client_name": 5}, r"^client_name: expected str, not int$"),
@@ -400,8 +418,22 @@ WAITS: list[tuple[str, Callable[[Any, Any], Any], str]] = [
     ("wait-layers-negative", lambda c, j: j.wait_layers(-1), r"^end_layer: must be at least 0 \(got -1\)$"),
     ("wait-layers-str-timeout", lambda c, j: j.wait_layers(1, "1"), r"^timeout_s: expected a number of seconds, not '1'$"),
     ("job-none-id", lambda c, j: c.job(None), r"^job_id: expected int, not NoneType$"),
+    ("wait-layers-past-4300-digits", lambda c, j: j.wait_layers(-(10**5000)), r"^end_layer: must be at least 0 \(got a negative int of 16610 bits\)$"),
     ("poll-str-id", lambda c, j: c.poll("1"), r"^job_id: expected int, not str$"),
 ]  # fmt: skip
+
+
+def test_regression_an_argument_past_4300_digits_failed_its_own_refusal(shared_daemon):
+    """Python refuses the repr of an int past 4,300 digits (ValueError), and the messages of
+    the client's refusals named the int they refused: ``job(10**5000)``, ``evict(keys,
+    10**5000)``, ``max_calls_open=10**5000`` and the like (the cases above with "past-4300"
+    in their ids) raised that ValueError, no KvtierError. A message now shows such an int
+    by its sign and size."""
+    with (
+        Client(shared_daemon.address) as client,
+        pytest.raises(NotFoundError, match=r"^no job an int of 16610 bits \(never "),
+    ):
+        client.job(10**5000)
 
 
 @pytest.mark.parametrize(("call", "message"), [w[1:] for w in WAITS], ids=[w[0] for w in WAITS])
