@@ -643,19 +643,67 @@ def test_regression_removals_on_a_full_disk_failed_after_commits_the_reserve_did
     crash). Each of these commits now grows the reserve first where it fits: the quarantine
     and the records are not committed where it does not (a record is kept for the next
     commit; a quarantine is held in memory); the journal, a Delete's own record, is."""
-    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
     monkeypatch.setattr("kvtier.tiers.disk.index.BUSY_TIMEOUT_S", 0.2)
-    directory = small_fs / "l2"
-    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    tier, kept = _reserve_of_64_kib(small_fs, make_block, monkeypatch)
+    grow(tier, small_fs / "l2")
+    _removals_commit_on_a_full_disk(tier, kept, small_fs, tmp_path)
+
+
+def _reserve_of_64_kib(
+    small_fs: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch, **options: Any
+) -> tuple[DiskTier, list[PersistItem]]:
+    """A tier in ``small_fs / "l2"`` whose reserve is 64 KiB (so that an index's growth soon
+    outgrows it), with 16 blocks committed; returns it and them."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    tier = DiskTier(small_fs / "l2", 16 * MiB, 1 * MiB, enospc_retry_s=0.0, **options)
     kept = _allocate(tier, make_block, 0, 16)
     assert all(o.ok for o in persist(tier, kept))
-    grow(tier, directory)
+    return tier, kept
+
+
+def _removals_commit_on_a_full_disk(
+    tier: DiskTier, kept: list[PersistItem], small_fs: Path, tmp_path: Path
+) -> None:
+    """Fill the disk, then remove each of ``kept`` on its own: every removal must commit,
+    and a crash then bring none back. Closes ``tier``."""
     fill_disk(small_fs / "filler")
     failed = [n for n, it in enumerate(kept) if not tier.remove([it.slot])]
     assert failed == [], f"{len(failed)} of {len(kept)} removals failed, the first #{failed[0]}"
-    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+    with DiskTier(_crash_copy(tier.directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert len(copy.recover()) == 0
     tier.close()
+
+
+def test_regression_removals_on_a_full_disk_failed_after_a_release_quarantined_its_slots_again(
+    small_fs: Path,
+    make_block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    faulty_files: FaultyFiles,
+) -> None:
+    """A release of quarantined slots records why each whose check failed stays held (its
+    quarantine row made again with that reason, up to 200 characters): the one quarantine
+    commit that 9fc4b3c left without the reserve's growth check. 1,000 slots whose extents
+    failed their write again grew the index past the reserve (here 64 KiB, grown in steps of
+    64 KiB) while the disk had room; once it filled, 15 of 16 removals failed, their Deletes
+    answered with their rows kept (served again after a crash). The record now grows the
+    reserve first, as a read's quarantine does (refused where it cannot: the slots stay held,
+    their rows as they were)."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_GROWTH_STEP_BYTES", 64 << 10)
+    tier, kept = _reserve_of_64_kib(small_fs, make_block, monkeypatch, backend=faulty_files)
+    held = [tier.allocator.allocate(4096) for _ in range(1000)]
+    tier._quarantine(
+        [IoBlock(n, s, 0, 0, 4096, 4096, None, False, "E") for n, s in enumerate(held)]
+    )
+
+    def failing(*_: object) -> None:
+        raise OSError(errno.EIO, "E" * 200)
+
+    faulty_files.faults["pwritev"] = failing
+    assert tier.release_quarantined().released == []
+    faulty_files.clear()
+    assert {q.reason[:20] for q in tier.quarantined()} == {"release: write: EIO:"}
+    _removals_commit_on_a_full_disk(tier, kept, small_fs, tmp_path)
 
 
 def test_regression_a_grown_reserve_given_back_for_a_removal_was_logged_at_its_first_size(

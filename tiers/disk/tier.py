@@ -1502,11 +1502,13 @@ class DiskTier:
         check again do not keep the rest from their turn. Each slot's extent first takes
         a write of fresh random bytes, a sync and a read back (from the disk: with
         ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails
-        stays held, its recorded reason saying why, and so does one that a read begun before
-        its quarantine still has in flight (that read, failing, would hold it again, perhaps
-        once handed out). A slot whose check failed is ``tried`` in ``quarantined`` until it is
-        released or a read quarantines it again, so that a caller of releases naming none can
-        tell when the slots left are only those (one kept for a read in flight is not). The
+        stays held, its recorded reason saying why (the record refused where the reserve
+        cannot hold the index's growth, as a read's quarantine's is: the reason it had
+        stays), and so does one that a read begun before its quarantine still has in flight
+        (that read, failing, would hold it again, perhaps once handed out). A slot whose
+        check failed is ``tried`` in ``quarantined`` until it is released or a read
+        quarantines it again, so that a caller of releases naming none can tell when the
+        slots left are only those (one kept for a read in flight is not). The
         rows of the slots released (their quarantine rows, and a block
         row that a failed quarantine update left) are durably deleted before the allocator
         may hand them out, so a crash after a release brings no old block back.
@@ -1574,9 +1576,13 @@ class DiskTier:
                     failed.update(dict.fromkeys(passed, f"index update: {classify(e).detail}"))
                     passed = []
             if failed:
-                with contextlib.suppress(sqlite3.Error):  # in memory, they are held still
+                # In memory they are held still where this is not committed: refused where
+                # the reserve cannot hold the index's growth (``_reserve_ready``), as a read's
+                # quarantine is (each row made again with a reason of up to 200 characters).
+                with contextlib.suppress(sqlite3.Error):
                     self._idx().quarantine(
-                        [(slot, held[slot], f"release: {why}") for slot, why in failed.items()]
+                        [(slot, held[slot], f"release: {why}") for slot, why in failed.items()],
+                        room=functools.partial(self._reserve_ready, "index quarantine update"),
                     )
             with self._state_lock:
                 self._tried.update(slot for slot in failed if slot not in in_flight)
