@@ -33,34 +33,35 @@ by recovery (and the tier keeps the file size the index was made for where the c
 would change it: ``tier.data_file_bytes``, which reads it with ``stored_geometry``). What
 happened is reported (``moved_aside``), not only logged.
 
-While open, every commit (a block's, a delete's, a quarantine's) checks that the index file
-and its WAL are still the ones its path names (device and inode): SQLite keeps writing to files
-removed or replaced under it, and a restart would not find those commits. A removed WAL is
-checkpointed (from the open, unlinked file) into the index file and a new one started, so the
-commits stand; while another process's read transaction keeps that checkpoint from finishing,
-the commit fails as busy (``IndexCheckpointBusy``, SQLITE_BUSY), which the tier retries as it
-does a locked index, and the next commit tries the checkpoint again. The files are checked
-before each write transaction too, so that nothing goes into a WAL removed since the last
-commit (a busy checkpoint fails the write before it starts); a block commit that found the WAL
-removed during its transaction deletes its rows again, in that same WAL, before it fails, so a
-later checkpoint brings the rows to the index file with their deletion or not at all: a block
-whose write was reported failed never comes back at a restart. A removed index file is
-written back from the open connection (SQLite's backup API, into ``index.sqlite3.restore``,
-synced, then renamed into place, the old WAL and shared memory removed first so they are not
-replayed onto it), and commits go on into it: a restart finds every block committed before and
-after the removal (counted as ``index_restored``). A removal after the last commit is mended
-by the tier's watch, which calls ``check_files`` between commits (every ``index_watch_s`` of
-the tier: a stat of the two files when nothing changed, no lock and no SQLite; the commit's
-check when something did), so a crash while the tier is idle loses nothing either; and by
-``close``. A write-back that the daemon's end cut short after its copy was synced is
-finished at the next open (``_finish_restore``). Recovery reads the rows through the same
-connection, a chunk at a time between commits (``rows_after``), its files checked first (the
-tier calls ``check_files``): an index removed before recovery read it is written back, and no
-second connection of the process shares this one's locks and shared memory (SQLite keeps one
-of each per file in a process). Where it cannot be written back, and where the index file
-was replaced by another, the commit fails (``IndexFilesReplaced``), which degrades the tier
-for good; a block commit's rows are deleted again first, as ``close`` may yet write the index
-back.
+While open, every commit (a block's, a delete's, a quarantine's) checks that the index file,
+its WAL and its shared memory are still the ones its path names (device and inode): SQLite
+keeps writing to files removed or replaced under it, and a restart would not find those commits
+(nor would another process's writer see the locks in a removed shared memory). A removed WAL
+(or shared memory) is checkpointed (from the open, unlinked file) into the index file and new
+ones started, so the commits stand; while another process's read transaction keeps that
+checkpoint from finishing, the commit fails as busy (``IndexCheckpointBusy``, SQLITE_BUSY),
+which the tier retries as it does a locked index, and the next commit tries the checkpoint
+again. The files are checked before each write transaction too, so that nothing goes into a WAL
+removed since the last commit (a busy checkpoint fails the write before it starts); a block
+commit that found the WAL removed during its transaction deletes its rows again, in that same
+WAL, before it fails, so a later checkpoint brings the rows to the index file with their
+deletion or not at all: a block whose write was reported failed never comes back at a restart.
+A removed index file is written back from the open connection (SQLite's backup API, into
+``index.sqlite3.restore``, synced, then renamed into place, the old WAL and shared memory
+removed first so they are not replayed onto it), and commits go on into it: a restart finds
+every block committed before and after the removal (counted as ``index_restored``). A removal
+after the last commit is mended by the tier's watch, which calls ``check_files`` between
+commits (every ``index_watch_s`` of the tier: a stat of the three files when nothing changed,
+no lock and no SQLite; the commit's check when something did), so a crash while the tier is
+idle loses nothing either; and by ``close``. A write-back that the daemon's end cut short after
+its copy was synced is finished at the next open (``_finish_restore``). Recovery reads the rows
+through the same connection, a chunk at a time between commits (``rows_after``), its files
+checked first (the tier calls ``check_files``): an index removed before recovery read it is
+written back, and no second connection of the process shares this one's locks and shared memory
+(SQLite keeps one of each per file in a process). Where it cannot be written back, and where
+the index file was replaced by another, the commit fails (``IndexFilesReplaced``), which
+degrades the tier for good; a block commit's rows are deleted again first, as ``close`` may yet
+write the index back.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
@@ -230,9 +231,10 @@ class IndexFilesReplaced(sqlite3.OperationalError):
 
 
 class IndexCheckpointBusy(sqlite3.OperationalError):
-    """The WAL was removed or replaced while open, and another connection's read transaction
-    kept its checkpoint into the index file from finishing: transient, so it carries
-    SQLITE_BUSY's code, as a lock held past the busy timeout does (``health.classify``)."""
+    """The WAL (or shared memory) was removed or replaced while open, and another connection's
+    read transaction kept its checkpoint into the index file from finishing: transient, so it
+    carries SQLITE_BUSY's code, as a lock held past the busy timeout does
+    (``health.classify``)."""
 
     sqlite_errorcode = 5  # SQLITE_BUSY
     sqlite_errorname = "SQLITE_BUSY"
@@ -601,9 +603,10 @@ class DiskIndex:
 
     def check_files(self) -> None:
         """Between commits: mend the index's files as a commit's check does (``_check_files``:
-        a removed index written back, a removed WAL checkpointed), so that a crash before the
-        next commit does not lose what the removed files held. When nothing changed this is a
-        stat of the index file and of its WAL, taking neither the lock nor SQLite (a commit
+        a removed index written back, a removed WAL or shared memory checkpointed), so that a
+        crash before the next commit does not lose what the removed files held. When nothing
+        changed this is a stat of the index file, its WAL and its shared memory, taking
+        neither the lock nor SQLite (a commit
         holding the lock checks the files itself). A WAL checkpoint another process's reader
         holds up fails at once (``IndexCheckpointBusy``) instead of waiting out the busy
         timeout holding the lock, which would stall every commit and ``close`` that long; the
@@ -631,17 +634,20 @@ class DiskIndex:
                 self._db = None
             self._let_go()
 
-    def _file_ids(self) -> tuple[FileId, FileId]:
-        """(device, inode) of the index file and of its WAL as their paths name them now."""
+    def _file_ids(self) -> tuple[FileId, ...]:
+        """(device, inode) of the index file, of its WAL and of its shared memory as their
+        paths name them now. The shared memory's too: one removed (or replaced) alone left
+        the connection on the removed file for good, which no other process maps, so another
+        process's writer committed beside the tier's and damaged the index."""
         ids: list[FileId] = []
-        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+        for end in ("", "-wal", "-shm"):
             try:
-                st = os.stat(path)
+                st = os.stat(self.path.with_name(self.path.name + end))
             except FileNotFoundError:
                 ids.append(None)
             else:
                 ids.append((st.st_dev, st.st_ino))
-        return ids[0], ids[1]
+        return tuple(ids)
 
     def _checked_conn(self, *, wait_busy: bool = True) -> sqlite3.Connection:
         """The connection, once its files are checked (``_check_files``) before a write
@@ -678,13 +684,14 @@ class DiskIndex:
 
     def _check_files(self, db: sqlite3.Connection, *, wait_busy: bool = True) -> None:
         """Before a write transaction and after its commit: that commits reach the files the
-        index's path names. A removed or replaced WAL (an operator cleaning up ``-wal``
-        files) is checkpointed into the index file, then the connection is reopened with a
-        new WAL; a removed index file is written back (``_restore``); a replaced one, or
-        one that cannot be written back, raises ``IndexFilesReplaced``, a checkpoint another
-        reader keeps from finishing ``IndexCheckpointBusy``, and files that cannot be looked
-        at (EACCES) an ``sqlite3.OperationalError``: each fails the commit and degrades the
-        tier rather than reach its writer as an OSError. ``wait_busy=False``: the checkpoint
+        index's path names. A removed or replaced WAL or shared memory (an operator cleaning
+        up ``-wal`` or ``-shm`` files) is checkpointed into the index file, then the
+        connection is reopened with new ones; a removed index file is written back
+        (``_restore``); a replaced one, or one that cannot be written back, raises
+        ``IndexFilesReplaced``, a checkpoint another reader keeps from finishing
+        ``IndexCheckpointBusy``, and files that cannot be looked at (EACCES) an
+        ``sqlite3.OperationalError``: each fails the commit and degrades the tier rather than
+        reach its writer as an OSError. ``wait_busy=False``: the checkpoint
         does not wait out the busy timeout for that reader (the watch's check, which holds
         the lock meanwhile and tries again later). Called holding ``_lock``."""
         try:
@@ -709,8 +716,9 @@ class DiskIndex:
             # The files keep their ids until the checkpoint gets through, so the next commit
             # (once the reader lets go) finds them changed and tries it again.
             raise IndexCheckpointBusy(
-                f"the WAL of {self.path} was removed or replaced while open and its commits "
-                "could not be checkpointed into the index yet (another process holds it)"
+                f"the WAL or shared memory of {self.path} was removed or replaced while open "
+                "and its commits could not be checkpointed into the index yet (another "
+                "process holds it)"
             )
         self._hold()
         self._db = None
@@ -718,8 +726,8 @@ class DiskIndex:
             db.close()
         self._reopen()
         log.warning(
-            "L2 index %s: its WAL was removed or replaced while open; its commits were "
-            "checkpointed into the index file and a new WAL started",
+            "L2 index %s: its WAL was removed or replaced while open, or its shared memory "
+            "was; its commits were checkpointed into the index file and a new WAL started",
             self.path,
         )
 
@@ -848,7 +856,7 @@ class DiskIndex:
             self._db = db = self._connect()
             self._let_go()  # the connection holds the file now
             # The index file's id as checked: one replaced since is found by the next check.
-            self._ids = (found, self._file_ids()[1])
+            self._ids = (found, *self._file_ids()[1:])
         except OSError as e:
             raise sqlite3.OperationalError(
                 f"{self.path} cannot be opened again for a new WAL ({e.strerror})"
