@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from races import wait_for
 
 from kvtier.client import (
     AsyncClient,
@@ -317,8 +318,9 @@ def test_an_interrupt_in_a_thread_s_wait_for_a_slot_leaves_the_slots_counted(han
     assert slots.acquire(0)
 
     def release_once_queued() -> None:  # the call holding the slot ends, the caller queued
-        while slots.waiting == 0:
-            time.sleep(0.001)
+        # Bounded: a caller that never queued (an acquire broken so) must fail the test, not
+        # leave this thread polling for good, which the worker's exit waits for.
+        wait_for(lambda: slots.waiting > 0)
         slots.release()
 
     releaser = threading.Thread(target=release_once_queued)
