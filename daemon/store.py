@@ -520,13 +520,13 @@ class BlockStore:
 
     async def stop(self, *, flush: bool, flush_timeout_s: float | None = None) -> None:
         """Stop background work; with ``flush``, first write every block held only in
-        volatile tiers to the first persistent tier, so that a restart serves it, starting
-        no write after ``flush_timeout_s``. A recovery still running is let end first (where
-        there is such a block), within that same bound: cancelled, it leaves a persistent
-        tier allocating nothing (the slots of the rows it did not read are held until a
-        restart), so the flush would find no room there. Then the slots a persistent tier could not free are tried once more
-        (``SpaceManager.settle_frees``): their rows left in its index would bring deleted
-        blocks back at the restart."""
+        volatile tiers to the first persistent tier, so that a restart serves it, starting no write
+        after ``flush_timeout_s``. A recovery still running is let end first (where there is such a
+        block), within that same bound: cancelled, it leaves a persistent tier allocating nothing
+        (the slots of the rows it did not read are held until a restart), so the flush would find no
+        room there. Then the slots a persistent tier could not free are tried once more
+        (``SpaceManager.settle_frees``): their rows left in its index would bring deleted blocks
+        back at the restart."""
         recovery, self._recovery = self._recovery, None
         recovery_ended = True
         left_s = flush_timeout_s

@@ -9,19 +9,19 @@ record of its namespace that the owner asked for: a record whose own commit fail
 by the next commit of block rows, in its transaction (``remember``), and so is the drop of one
 (``forget``).
 
-``blocks`` is keyed by slot, with no index on ``(ns, key)``: the daemon keeps the key map in
-memory and needs the index only to recover it, to delete rows by slot and to check slots. A row
-insert then costs one append near the end of one B-tree (slots are handed out low first)
-rather than two random descents (a primary key on 32 random bytes, plus a unique slot index),
-which made commits of 4,096 rows into an index of 400,000 about 8x slower (115 vs 14.5 ms). The index does not enforce one row per
-key: a key gets a new slot only after losing its old one, save where the old row's delete
-failed (the store tries it again) and the key was put again meanwhile, perhaps with other
-bytes; recovery's consumer keeps the row written last (``RecoveredBlocks.latest_of_each_key``).
-Index format 1 (``(ns, key)`` primary key, written before ``PRAGMA user_version`` was set) is
-migrated at open, in one transaction (rows whose slot is not an integer, which recovery would
-drop anyway, are left out and counted in the log); when that fails (a full disk, an I/O error)
-the open fails with ``IndexUpgradeFailed`` and the old index stays as it was. A format newer
-than this code knows is moved aside.
+``blocks`` is keyed by slot, with no index on ``(ns, key)``: the daemon keeps the key map in memory
+and needs the index only to recover it, to delete rows by slot and to check slots. A row insert then
+costs one append near the end of one B-tree (slots are handed out low first) rather than two random
+descents (a primary key on 32 random bytes, plus a unique slot index), which made commits of 4,096
+rows into an index of 400,000 about 8x slower (115 vs 14.5 ms). The index does not enforce one row
+per key: a key gets a new slot only after losing its old one, save where the old row's delete failed
+(the store tries it again) and the key was put again meanwhile, perhaps with other bytes; recovery's
+consumer keeps the row written last (``RecoveredBlocks.latest_of_each_key``). Index format 1 (``(ns,
+key)`` primary key, written before ``PRAGMA user_version`` was set) is migrated at open, in one
+transaction (rows whose slot is not an integer, which recovery would drop anyway, are left out and
+counted in the log); when that fails (a full disk, an I/O error) the open fails with
+``IndexUpgradeFailed`` and the old index stays as it was. A format newer than this code knows is
+moved aside.
 
 At open, an index SQLite cannot read or that fails ``quick_check``, or one without its
 metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
@@ -373,10 +373,10 @@ class DiskIndex:
     ) -> bool:
         """Record ``label`` for namespace ``ns``, with the records kept since their commit
         failed. Raises what the commit raised (a full disk, a lock), and returns False where
-        ``room`` refused it (``transaction``); the record is then kept and made by the next commit of
-        block rows, in its transaction (``insert_when``), or of a record, so that no block
-        row commits without its namespace's record. ``wait_busy=False``: a lock another
-        process holds fails it at once, as in ``insert_when``."""
+        ``room`` refused it (``transaction``); the record is then kept and made by the next commit
+        of block rows, in its transaction (``insert_when``), or of a record, so that no block row
+        commits without its namespace's record. ``wait_busy=False``: a lock another process holds
+        fails it at once, as in ``insert_when``."""
         return self._commit_names({ns: label}, wait_busy=wait_busy, room=room)
 
     def forget(
@@ -452,16 +452,15 @@ class DiskIndex:
         wait_busy: bool = True,
     ) -> bool:
         """Insert or replace ``rows``, and the namespace records ``remember`` and ``forget``
-        could not commit, in a transaction that commits only once ``durable`` returns, so that SQLite
-        inserts while the rows' bytes are still going to disk.
-        ``durable`` runs inside the transaction, holding the index (it must not commit
-        through it; ``growth_bytes`` reads the transaction's size through it), and returns
-        the slots whose rows must not be committed after all, or None to commit nothing.
-        True when the rows, less those, are committed; what ``durable`` raises rolls the rows
-        back and propagates. ``wait_busy=False``: a lock another process
-        holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
-        (a write let through to find out whether that lock was let go), and so does the
-        checkpoint of a removed WAL that another process's reader holds up."""
+        could not commit, in a transaction that commits only once ``durable`` returns, so that
+        SQLite inserts while the rows' bytes are still going to disk. ``durable`` runs inside the
+        transaction, holding the index (it must not commit through it; ``growth_bytes`` reads the
+        transaction's size through it), and returns the slots whose rows must not be committed after
+        all, or None to commit nothing. True when the rows, less those, are committed; what
+        ``durable`` raises rolls the rows back and propagates. ``wait_busy=False``: a lock another
+        process holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
+        (a write let through to find out whether that lock was let go), and so does the checkpoint
+        of a removed WAL that another process's reader holds up."""
         with self._lock:
             db = self._checked_conn(wait_busy=wait_busy)
             _begin(db, wait_busy=wait_busy)
@@ -603,13 +602,12 @@ class DiskIndex:
 
     def check_files(self) -> None:
         """Between commits: mend the index's files as a commit's check does (``_check_files``:
-        a removed index written back, a removed WAL or shared memory checkpointed), so that a
-        crash before the next commit does not lose what the removed files held. When nothing
-        changed this is a stat of the index file, its WAL and its shared memory, taking
-        neither the lock nor SQLite (a commit
-        holding the lock checks the files itself). A WAL checkpoint another process's reader
-        holds up fails at once (``IndexCheckpointBusy``) instead of waiting out the busy
-        timeout holding the lock, which would stall every commit and ``close`` that long; the
+        a removed index written back, a removed WAL or shared memory checkpointed), so that a crash
+        before the next commit does not lose what the removed files held. When nothing changed this
+        is a stat of the index file, its WAL and its shared memory, taking neither the lock nor
+        SQLite (a commit holding the lock checks the files itself). A WAL checkpoint another
+        process's reader holds up fails at once (``IndexCheckpointBusy``) instead of waiting out the
+        busy timeout holding the lock, which would stall every commit and ``close`` that long; the
         caller tries again later. Raises as that check does; a no-op once closed."""
         try:
             if self._file_ids() == self._ids:

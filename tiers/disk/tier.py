@@ -1127,16 +1127,16 @@ class DiskTier:
     def _reserve_ready(self, what: str = "index commit") -> bool:
         """Whether the reserve is there for a commit that grows the index (a write's, a
         quarantine's, a namespace record's; ``_reserve_grown`` for the L3 removals journal's),
-        holding the index's growth that the WAL holds (``growth_bytes``, this commit's
-        transaction included), which the WAL's restart on the room a removal on a full disk
-        gives back must grow the index file by, and half of ``RESERVE_BYTES`` more for the
-        removal's pages: made now where it is short of ``RESERVE_BYTES`` (given back, never
-        made, or removed or cut by hand, which the tier does not see), then grown where the
-        growth asks. Where either does not fit, a full disk's fault is recorded and the
-        commit is refused: committed in the room a removal gave back, or with more growth than the reserve holds, it left a later
-        removal on the full disk without room, which failed, its Delete answered with its
-        rows kept (served again after a crash). Called at the open or holding the index, so
-        no removal is using the room given back meanwhile."""
+        holding the index's growth that the WAL holds (``growth_bytes``, this commit's transaction
+        included), which the WAL's restart on the room a removal on a full disk gives back must grow
+        the index file by, and half of ``RESERVE_BYTES`` more for the removal's pages: made now
+        where it is short of ``RESERVE_BYTES`` (given back, never made, or removed or cut by hand,
+        which the tier does not see), then grown where the growth asks. Where either does not fit, a
+        full disk's fault is recorded and the commit is refused: committed in the room a removal
+        gave back, or with more growth than the reserve holds, it left a later removal on the full
+        disk without room, which failed, its Delete answered with its rows kept (served again after
+        a crash). Called at the open or holding the index, so no removal is using the room given
+        back meanwhile."""
         path = self.directory / RESERVE_NAME
         have = _allocated(path)
         if have < RESERVE_BYTES:
