@@ -964,6 +964,24 @@ def test_regression_a_wal_that_could_not_be_made_again_left_the_index_closed_for
         assert {r.key for r in tier.recover()} == {it.key for it in first + later}
 
 
+def test_a_crash_while_the_index_awaits_an_inode_for_its_new_wal_keeps_what_was_committed(
+    small_fs: Path, make_block: Block, tmp_path: Path
+) -> None:
+    """A SIGKILL while the index's connection is closed, its WAL removed and no inode to make
+    it again (the write that found it failed): every block committed before is there at the
+    next start, and so is the deletion of one removed meanwhile, which committed on the inode
+    its reserve's give-back freed (the campaign removes no WAL: out of its reach)."""
+    tier, committed, outs = _wal_made_again_out_of_inodes(small_fs, make_block)
+    with tier:
+        assert not any(o.ok for o in outs)
+        killed = _crash_copy(small_fs / "l2", tmp_path / "killed")
+        assert tier.remove([committed[0].slot]), tier.health()
+        removed = _crash_copy(small_fs / "l2", tmp_path / "removed")
+    for image, kept in ((killed, committed), (removed, committed[1:])):
+        with DiskTier(image, 16 * MiB, 1 * MiB) as again:
+            assert {r.key for r in again.recover()} == {it.key for it in kept}
+
+
 def test_regression_a_recovery_after_a_failed_reopen_of_the_index_handed_its_rows_slots_out(
     small_fs: Path, make_block: Block
 ) -> None:
