@@ -419,7 +419,7 @@ def checked_seconds(
     if value is None and optional:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(f"{what}: expected a number of seconds, not {value!r}")
+        raise InvalidArgumentError(f"{what}: expected a number of seconds, not {shown(value)}")
     seconds = as_float(value)
     if forever and seconds > MAX_SECONDS:
         return None  # as long as no limit

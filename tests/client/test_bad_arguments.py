@@ -147,6 +147,7 @@ CASES: list[tuple[str, Call, str]] = [
     ("lookup-nan-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("nan")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("lookup-inf-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("inf")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not inf$"),
     ("lookup-str-timeout", lambda c, p: c.lookup([KEY], timeout_s="1"), r"^Lookup: timeout_s: expected a number of seconds, not '1'$"),
+    ("lookup-list-timeout-past-4300-digits", lambda c, p: c.lookup([KEY], timeout_s=[10**5000]), r"^Lookup: timeout_s: expected a number of seconds, not a list holding an int of more than 4,300 digits$"),
     ("lookup-years-timeout", lambda c, p: c.lookup([KEY], timeout_s=1e10), r"^Lookup: timeout_s: expected at most 1e\+09 seconds \(about 31 years\), not 10000000000.0$"),
     ("lookup-pin-years-timeout", lambda c, p: c.lookup([KEY], pin=True, timeout_s=2**63), r"^Lookup: timeout_s: expected at most 1e\+09 seconds \(about 31 years\), not 9223372036854775808$"),
     ("put-int-past-float-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=10**400), r"^Put: timeout_s: expected a finite number of seconds >= 0, not an int of 1329 bits$"),
@@ -417,6 +418,7 @@ WAITS: list[tuple[str, Callable[[Any, Any], Any], str]] = [
     ("wait-layers-none", lambda c, j: j.wait_layers(None), r"^end_layer: expected int, not NoneType$"),
     ("wait-layers-negative", lambda c, j: j.wait_layers(-1), r"^end_layer: must be at least 0 \(got -1\)$"),
     ("wait-layers-str-timeout", lambda c, j: j.wait_layers(1, "1"), r"^timeout_s: expected a number of seconds, not '1'$"),
+    ("wait-tuple-timeout-past-4300-digits", lambda c, j: j.wait((10**5000,)), r"^timeout_s: expected a number of seconds, not a tuple holding an int of more than 4,300 digits$"),
     ("job-none-id", lambda c, j: c.job(None), r"^job_id: expected int, not NoneType$"),
     ("wait-layers-past-4300-digits", lambda c, j: j.wait_layers(-(10**5000)), r"^end_layer: must be at least 0 \(got a negative int of 16610 bits\)$"),
     ("poll-str-id", lambda c, j: c.poll("1"), r"^job_id: expected int, not str$"),
@@ -434,6 +436,19 @@ def test_regression_an_argument_past_4300_digits_failed_its_own_refusal(shared_d
         pytest.raises(NotFoundError, match=r"^no job an int of 16610 bits \(never "),
     ):
         client.job(10**5000)
+
+
+def test_regression_a_timeout_that_is_no_number_holding_an_int_past_4300_digits_was_untyped(
+    shared_daemon,
+):
+    """checked_seconds named a timeout that is no number by its repr, which Python refuses
+    for a container holding an int past 4,300 digits: ``timeout_s=[10**5000]`` raised that
+    ValueError, no InvalidArgumentError (4b58ce7 showed the numbers it refuses, not these)."""
+    with (
+        Client(shared_daemon.address) as client,
+        pytest.raises(InvalidArgumentError, match=r"^Lookup: timeout_s: .*, not a list holding"),
+    ):
+        client.lookup([KEY], timeout_s=[10**5000])
 
 
 @pytest.mark.parametrize(("call", "message"), [w[1:] for w in WAITS], ids=[w[0] for w in WAITS])
