@@ -20,7 +20,7 @@ from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.types import PutStatus, build_request, checked_type, sequence_len
+from kvtier.client.types import PutStatus, build_request, checked_type, sequence_len, shown
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -115,8 +115,8 @@ def new_binding(
         checked_type(namespace, Namespace, "namespace")
         if namespace.block_tokens != layout.block_tokens:
             raise InvalidArgumentError(
-                f"namespace: block_tokens {namespace.block_tokens} is not the layout's "
-                f"{layout.block_tokens}: a page holds one block of the layout's tokens"
+                f"namespace: block_tokens {shown(namespace.block_tokens)} is not the layout's "
+                f"{shown(layout.block_tokens)}: a page holds one block of the layout's tokens"
             )
     return PoolBinding(memory, layout, namespace)
 

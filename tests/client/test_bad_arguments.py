@@ -162,6 +162,7 @@ CASES: list[tuple[str, Call, str]] = [
     ("register-none-layout", lambda c, p: c.register_pool(p.binding.shm, None), r"^layout: expected PoolLayout, not NoneType$"),
     ("register-str-namespace", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, "ns"), r"^namespace: expected Namespace, not str$"),
     ("register-namespace-other-block-size", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, Namespace(model="m", kv_dtype="uint8", block_tokens=2)), r"^namespace: block_tokens 2 is not the layout's 4: a page holds one block of the layout's tokens$"),
+    ("register-layout-blocks-past-4300-digits", lambda c, p: c.register_pool(p.binding.shm, PoolLayout.staging(num_layers=2, num_pages=8, block_tokens=10**5000, chunk_bytes=64), NS), r"^namespace: block_tokens 4 is not the layout's an int of 16610 bits: a page holds "),
     ("register-closed-shm", lambda c, p: c.register_pool(closed_pool(), LAYOUT), r"^shm: the pool 'closed' was closed$"),
     ("register-cuda-shm", lambda c, p: c.register_cuda_pool(p.binding.shm, LAYOUT), r"^export: expected CudaIpcExport, not SharedMemoryPool$"),
     ("store-none-pool", lambda c, p: c.store(None, TOKENS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
@@ -449,6 +450,20 @@ def test_regression_a_timeout_that_is_no_number_holding_an_int_past_4300_digits_
         pytest.raises(InvalidArgumentError, match=r"^Lookup: timeout_s: .*, not a list holding"),
     ):
         client.lookup([KEY], timeout_s=[10**5000])
+
+
+def test_regression_a_layouts_block_size_past_4300_digits_failed_its_own_refusal(
+    shared_daemon, shm
+):
+    """A pool registered with a namespace whose block size is not its layout's is refused
+    naming both sizes, and a layout's past 4,300 digits failed that message's formatting
+    with Python's ValueError, no InvalidArgumentError."""
+    layout = PoolLayout.staging(num_layers=2, num_pages=8, block_tokens=10**5000, chunk_bytes=64)
+    with (
+        Client(shared_daemon.address) as client,
+        pytest.raises(InvalidArgumentError, match=r"^namespace: block_tokens 4 is not the lay"),
+    ):
+        client.register_pool(shm, layout, NS)
 
 
 @pytest.mark.parametrize(("call", "message"), [w[1:] for w in WAITS], ids=[w[0] for w in WAITS])
