@@ -159,6 +159,13 @@ class SpaceManager:
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
+        # Tier kind -> the slots of a persistent tier taken from blocks that a read in flight
+        # may still read them for (a later recovered row of the key replaced the copy:
+        # ``BlockStore._replace_recovered``), each with its block's ref: freed
+        # (``free_held``) once nobody holds that block (``free_read_held``). Freed at once,
+        # one could go to another key's put before the read, which, failing its checksum,
+        # would quarantine the slot and delete that put's row.
+        self.read_held: dict[TierKind, list[tuple[int, int]]] = {}
         # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
         # (``BALANCE_RETRY_S``).
         self.balance_after: dict[TierKind, float] = {}
@@ -1316,6 +1323,7 @@ class SpaceManager:
         (deleted or evicted ones): said once per tier. An index another process still keeps
         locked holds the stop up for one busy timeout (``index.BUSY_TIMEOUT_S``), as a free
         in flight at the stop already did."""
+        self.free_read_held()
         await self.drain()
         self.retry_frees(now=True)
         await self.drain()
@@ -1327,6 +1335,33 @@ class SpaceManager:
                 self.stack[kind].label,
                 len(pending.slots),
             )
+
+    def free_when_idle(self, level: Level, slots: np.ndarray, bids: np.ndarray) -> None:
+        """Free ``slots`` of ``level``, just taken from ``bids`` (in flight: a read may have
+        named them before), once nobody holds those blocks (``read_held``)."""
+        held = self.read_held.setdefault(level.kind, [])
+        held += zip(slots.tolist(), self.table.refs(bids).tolist(), strict=True)
+
+    def free_read_held(self) -> None:
+        """Free (``free_held``, in the background) the slots of ``read_held`` whose blocks
+        nobody holds now (no in-flight mark, or forgotten), so no read still uses them; the
+        others wait for a later call (the balancer's pass). None while recovery reads rows
+        (``rows_unsettled``): their tier frees nothing before its last chunk is in."""
+        if self.rows_unsettled:
+            return
+        table = self.table
+        for kind, held in list(self.read_held.items()):
+            rows = table.resolve_many(np.array([ref for _, ref in held], dtype=np.int64))
+            busy = ((rows >= 0) & (table.inflight[np.maximum(rows, 0)] > 0)).tolist()
+            idle = [slot for (slot, _), b in zip(held, busy, strict=True) if not b]
+            if not idle:
+                continue
+            if len(idle) == len(held):
+                del self.read_held[kind]
+            else:
+                self.read_held[kind] = [h for h, b in zip(held, busy, strict=True) if b]
+            # No quota holds: the table counts the copies that replaced them.
+            self.free_held(self.stack[kind], idle, [])
 
     async def give_back(self, level: Level, owner: int, slots: list[int], nbytes: int) -> None:
         """Release ``slots`` of ``level`` that ``reserve`` gave ``owner`` for blocks of
@@ -1644,10 +1679,13 @@ class SpaceManager:
         key-addressed tier), and dropping early would only waste capacity; a persistent one
         is kept under its watermarks, its drops being I/O done ahead of need. First, frees a
         persistent tier could not do whose wait is over are tried again (``retry_frees``:
-        the balancer's period is their timer)."""
+        the balancer's period is their timer), and slots held for reads that have ended are
+        freed (``free_read_held``)."""
         self.apply_touches()
         if self.unfreed:
             self.retry_frees()
+        if self.read_held:
+            self.free_read_held()
         now = self._clock()
         for level in self.stack:
             if level.keyed or not (level.persistent or self._moves_down(level)):

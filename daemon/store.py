@@ -2249,12 +2249,14 @@ class BlockStore:
     # ------------------------------------------------------------------ checks
 
     def quiescent(self) -> bool:
-        """Nothing in flight: no transfer, background task or in-flight mark, and no
-        recovery running (it holds slots whose rows it has yet to sort out). A settled Check
+        """Nothing in flight: no transfer, background task or in-flight mark, no slot held
+        for a read that may still use it (``SpaceManager.read_held``), and no recovery
+        running (it holds slots whose rows it has yet to sort out). A settled Check
         asks every 5 ms while it waits: the counters first, then the marks of the rows ever
         taken only (0.16-0.33 ms at 1,048,576 rows, against 2.4-3.0 ms for the passes over
         the whole state and in-flight columns it made each time, counters or not)."""
-        if self._recovering or self.space.background or self.transfers.running:
+        space = self.space
+        if self._recovering or space.background or space.read_held or self.transfers.running:
             return False
         table = self.table
         marked = np.flatnonzero(table.inflight[: table.rows] > 0)
@@ -2728,6 +2730,7 @@ class BlockStore:
         finally:
             self._recovering = self.space.rows_unsettled = False
             self._put_in_recovery.clear()
+            self.space.free_read_held()
             self.recovered.set()
         if total:
             log.info("indexed %d recovered blocks in %.2fs", total, time.monotonic() - started)
@@ -2769,7 +2772,14 @@ class BlockStore:
             if newer.any() and self._put_in_recovery:
                 put = newer & self._put_during_recovery(bids)
                 newer[put] = self._same_as_put(level, bids[put], chunk.checksums[at[put]])
-            repeated.append(np.where(newer, slots, chunk.slots[at]))
+            # An earlier row's copy of a committed block that a request holds (a Get, a
+            # move) may be read still, its slot named before: that slot is freed once nobody
+            # holds the block (``SpaceManager.free_when_idle``), not with the other rows
+            # dropped. (A block being written is held by its put, which reads no copy here.)
+            read = newer & (table.inflight[bids] > 0) & (table.state[bids] == READY)
+            if read.any():
+                self.space.free_when_idle(level, slots[read], bids[read])
+            repeated.append(np.where(newer, slots, chunk.slots[at])[~read])
             if newer.any():
                 rows = chunk.take(at[newer])
                 seen = now_mono - np.maximum(0.0, now_wall - rows.written_at)
@@ -2825,7 +2835,8 @@ class BlockStore:
         self, level: Level, bids: np.ndarray, rows: RecoveredBlocks, seen: np.ndarray
     ) -> None:
         """Give ``bids``' copies on ``level`` (an earlier chunk's rows) the slots of ``rows``,
-        written later (``_index_recovered``)."""
+        written later (``_index_recovered``, which frees the earlier slots: at the end of
+        recovery, or once nobody holds the block where a request may still read one)."""
         table = self.table
         table.clear_slots(bids, level.col)
         # A block with no other copy takes the row's size (its key put again with another

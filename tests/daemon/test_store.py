@@ -3074,6 +3074,85 @@ async def test_a_key_deleted_where_its_slot_was_not_freed_then_put_again_comes_b
     assert again.check() == []
 
 
+async def _restarted_with_its_second_chunk_held(make_store, monkeypatch, clock):
+    """``_a_key_with_two_rows``, then a store on its L2 as a stop left it, reading its rows
+    two a chunk (the key, 3 others, the key again), started: returned once the first chunk
+    (the key's first row) is indexed, with (the pool, the key, the medium, that L2, the
+    store, the event that lets recovery read its next chunk)."""
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
+    _, pool, key, medium = await _a_key_with_two_rows(make_store, clock)
+    reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
+    again = make_store(clock, l2=reopened)
+    first_chunk_in, go_on = asyncio.Event(), asyncio.Event()
+    run, chunks_asked = again.transfers.run, []
+
+    async def second_chunk_held(priority, fn, *args):
+        if fn is next:
+            chunks_asked.append(fn)
+            if len(chunks_asked) == 2:  # the first chunk is indexed
+                first_chunk_in.set()
+                await go_on.wait()
+        return await run(priority, fn, *args)
+
+    monkeypatch.setattr(again.transfers, "run", second_chunk_held)
+    again.start()
+    await asyncio.wait_for(first_chunk_in.wait(), 10)
+    return pool, key, medium, reopened, again, go_on
+
+
+async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_durable_put(
+    make_store, monkeypatch
+):
+    """A later chunk's row of a key replaced the copy an earlier chunk's row gave its block
+    while a Get held the block and was still to read the earlier row's slot (waiting for the
+    transfer engine). Recovery freed that slot at its end all the same; another key's durable
+    put took it, and the late read, failing its checksum there, quarantined the slot and
+    deleted that put's row: answered persisted, gone after a restart. The slot is freed once
+    nobody holds the block."""
+    clock = Clock()
+    pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    put_last = page_bytes(pool, 5)
+    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
+    to_pool, read_asked, read_go, read_from = (
+        again.transfers.to_pool,
+        asyncio.Event(),
+        asyncio.Event(),
+        [],
+    )
+
+    async def first_read_held(level, slots, *args, **kw):
+        if level.kind is TierKind.DISK and not read_asked.is_set():
+            read_from.extend(slots)
+            read_asked.set()
+            await read_go.wait()
+        return await to_pool(level, slots, *args, **kw)
+
+    monkeypatch.setattr(again.transfers, "to_pool", first_read_held)
+    getting = asyncio.create_task(get(again, pool, key, [10]))
+    await asyncio.wait_for(read_asked.wait(), 10)
+    assert read_from == [first]
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    await asyncio.wait_for(again.space.drain(), 10)
+    other = keys(1)
+    assert (await put(again, pool, other, pages=[6], durable=True))[1] == [True]
+    taken = int(again.table.slot[again.table.lookup(0, other)[0], 1])
+    read_go.set()
+    assert await asyncio.wait_for(getting, 10) == [True]
+    assert not reopened.quarantined
+    assert taken in medium.index and medium.index[taken].key == other[0].tobytes()
+    assert again.table.slot[again.table.lookup(0, other)[0], 1] == taken != first
+    await again.balance()  # the daemon's balancer frees it on its next pass
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [second]
+    pool.array[:] = 0
+    assert await get(again, pool, key, [11]) == [True]
+    assert page_bytes(pool, 11) == put_last
+    assert again.check() == []
+
+
 @pytest.mark.parametrize("removes", ["ok", "refused at first"])
 async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
     make_store, monkeypatch, removes
@@ -6097,26 +6176,11 @@ async def test_regression_a_get_during_recovery_kept_the_deleted_bytes_on_l1_pas
     row then became the block's L2 copy, but the L1 copy of the first row's bytes stayed,
     and every Get after recovery served the deleted version. No copy is made from a tier
     recovery is still reading."""
-    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)  # key, 3 others, key again
     clock = Clock()
-    _, pool, key, medium = await _a_key_with_two_rows(make_store, clock)
+    pool, key, _, _, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
     put_last = page_bytes(pool, 5)
-    reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
-    again = make_store(clock, l2=reopened)
-    first_read, go_on = asyncio.Event(), asyncio.Event()
-    run, chunks_asked = again.transfers.run, []
-
-    async def second_chunk_held(priority, fn, *args):
-        if fn is next:
-            chunks_asked.append(fn)
-            if len(chunks_asked) == 2:  # the first chunk is indexed
-                first_read.set()
-                await go_on.wait()
-        return await run(priority, fn, *args)
-
-    monkeypatch.setattr(again.transfers, "run", second_chunk_held)
-    again.start()
-    await asyncio.wait_for(first_read.wait(), 10)
     assert where(again, key) == ["L2"]
     assert await get(again, pool, key, [10]) == [True]  # the first row's, for now
     await again.space.drain()
