@@ -518,6 +518,42 @@ def test_a_quarantined_slot_whose_check_fails_stays_held_and_says_why(
         assert tier.release_quarantined().released == [blocks[1][1]]
 
 
+def test_regression_a_release_whose_quarantine_record_failed_said_nothing_and_kept_the_tier_ok(
+    disk_dir: Path,
+    make_block: Block,
+    faulty_files: FaultyFiles,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The record of a release's slots that failed their check again was written with every
+    SQLite error suppressed: a failed commit (here an index another process held locked;
+    SQLITE_FULL or SQLITE_IOERR alike) was neither counted nor logged, and the tier stayed
+    ok, where a read's quarantine record failing degrades it. It is now the tier's fault, as
+    a read's is; the slot stays held in memory and its old record in the index."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=0.0) as tier:
+        blocks = _quarantine_two(tier, make_block)
+        errors = tier.stats().counters["index_errors"]
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+                out = tier.release_quarantined([blocks[1][1]])
+        finally:
+            other.close()
+        assert out.released == [] and [q.slot for q in out.kept] == [blocks[1][1]]
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and "index quarantine update" in health.detail
+        assert tier.stats().counters["index_errors"] == errors + 1
+        assert [r for r in caplog.records if "index quarantine update" in r.getMessage()]
+        held = tier.quarantined()
+        assert [(q.slot, q.reason) for q in held] == [
+            (blocks[1][1], "checksum mismatch"),
+            (blocks[2][1], "checksum mismatch"),
+        ]
+
+
 def test_regression_a_release_naming_no_slot_gave_back_more_than_its_reply_could_list(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

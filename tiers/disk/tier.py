@@ -1503,9 +1503,10 @@ class DiskTier:
         a write of fresh random bytes, a sync and a read back (from the disk: with
         ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails
         stays held, its recorded reason saying why (the record refused where the reserve
-        cannot hold the index's growth, as a read's quarantine's is: the reason it had
-        stays), and so does one that a read begun before its quarantine still has in flight
-        (that read, failing, would hold it again, perhaps once handed out). A slot whose
+        cannot hold the index's growth, or failed, the tier's fault, as a read's
+        quarantine's is: the reason it had stays), and so does one that a read begun before
+        its quarantine still has in flight (that read, failing, would hold it again, perhaps
+        once handed out). A slot whose
         check failed is ``tried`` in ``quarantined`` until it is released or a read
         quarantines it again, so that a caller of releases naming none can tell when the
         slots left are only those (one kept for a read in flight is not). The
@@ -1577,13 +1578,17 @@ class DiskTier:
                     passed = []
             if failed:
                 # In memory they are held still where this is not committed: refused where
-                # the reserve cannot hold the index's growth (``_reserve_ready``), as a read's
-                # quarantine is (each row made again with a reason of up to 200 characters).
-                with contextlib.suppress(sqlite3.Error):
+                # the reserve cannot hold the index's growth (``_reserve_ready``), or failed,
+                # the tier's fault, as a read's quarantine is (each row made again with a
+                # reason of up to 200 characters); their rows keep the reason they had.
+                what = "index quarantine update"
+                try:
                     self._idx().quarantine(
                         [(slot, held[slot], f"release: {why}") for slot, why in failed.items()],
-                        room=functools.partial(self._reserve_ready, "index quarantine update"),
+                        room=functools.partial(self._reserve_ready, what),
                     )
+                except sqlite3.Error as e:
+                    self.faults.fault(classify(e), what)
             with self._state_lock:
                 self._tried.update(slot for slot in failed if slot not in in_flight)
                 for slot in passed:
