@@ -36,6 +36,7 @@ from kvtier.client import (
     PoolLayout,
     ResourceExhaustedError,
     SharedMemoryPool,
+    UnauthenticatedError,
     credentials,
 )
 from kvtier.client.flows import PoolBinding
@@ -344,6 +345,27 @@ async def test_regression_an_async_register_pool_whose_session_its_client_gave_u
 
         await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
         assert len(daemon.pools) == 0 and len(daemon.tickets) == 0
+
+
+async def test_regression_an_async_register_pool_with_a_wrong_token_left_two_tickets(held):
+    """AsyncClient sent a memfd pool's registration again with a new ticket on any
+    UNAUTHENTICATED, a session refused for a wrong (or revoked) token included: each of the two
+    tries fetched a pool ticket before the session that refused it, and the daemon held both
+    memfds until the tickets expired, toward the uid's ``MAX_TICKETS_PER_UID``. It now opens
+    the session before it fetches a ticket, and sends the registration again only where its
+    first try was sent again in a new session (the daemon spent that try's ticket)."""
+
+    async with running_daemon(held) as daemon:
+
+        async def engine_side(address: str) -> None:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                async with AsyncClient(address, token="a-wrong-secret-of-some-length") as engine:
+                    with pytest.raises(UnauthenticatedError, match="token"):
+                        await engine.register_pool(shm, LAYOUT)
+
+        await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
+        assert daemon.store.counters.get("sessions_refused", reason="tenant") == 1
+        assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
 
 
 async def test_a_register_pool_cancelled_while_mapped_leaves_no_pool(held):
