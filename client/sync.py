@@ -1059,7 +1059,11 @@ class Client:
 
     def _send_registration(self, binding: PoolBinding) -> tuple[Any, Any]:
         """(request, answer) of one registration of ``binding``, in the open session: by a
-        new ticket of its descriptor where it hands one over, else by name or handles."""
+        new ticket of its descriptor where it hands one over, else by name or handles. The
+        session is opened first: where it is refused (a wrong or revoked token), a ticket
+        fetched before stayed with the daemon until it expired, one of the uid's unused
+        tickets."""
+        _ = self.session_id
         ticket = b""
         if binding.hands_over_fd:
             path = credentials.cred_socket_path(self.address)

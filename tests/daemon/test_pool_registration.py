@@ -368,6 +368,27 @@ async def test_regression_an_async_register_pool_with_a_wrong_token_left_two_tic
         assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
 
 
+async def test_regression_a_register_pool_with_a_wrong_token_left_a_ticket(held):
+    """The blocking client fetched a memfd pool's ticket before it opened the session that
+    would send it: with a wrong (or revoked) token the session was refused and the daemon held
+    the memfd until the ticket expired, one of the uid's ``MAX_TICKETS_PER_UID`` unused
+    tickets for each such call. It now opens the session first."""
+
+    async with running_daemon(held) as daemon:
+
+        def engine_side(address: str) -> None:
+            with (
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+                Client(address, token="a-wrong-secret-of-some-length") as engine,
+                pytest.raises(UnauthenticatedError, match="token"),
+            ):
+                engine.register_pool(shm, LAYOUT)
+
+        await asyncio.to_thread(engine_side, daemon.addresses[0])
+        assert daemon.store.counters.get("sessions_refused", reason="tenant") == 1
+        assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
+
+
 async def test_a_register_pool_cancelled_while_mapped_leaves_no_pool(held):
     """A client that cancels its RegisterPool while the memory is mapped never learns the
     pool's id: the registration is undone once the mapping ends (it used to stay, counted
