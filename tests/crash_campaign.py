@@ -72,7 +72,9 @@ from kvtier.client import (
     PoolLayout,
     ResourceExhaustedError,
     SharedMemoryPool,
+    UnavailableError,
 )
+from kvtier.client.errors import unclean
 
 TENANTS = ("alice", "bob")
 # namespace -> (layer count, chunk bytes, keys): blocks of 4 KiB, 64 KiB, 1 MiB and 5 MiB.
@@ -209,7 +211,11 @@ class Worker:
     def delete(self, ns: str, indexes: list[int]) -> None:
         for i in indexes:  # one key a call: its answer says what became of it
             self.log(op="del", ns=ns, i=i)
-            res = self.client.delete([key_of(ns, i)], namespace=ns)
+            try:
+                res = self.client.delete([key_of(ns, i)], namespace=ns)
+            except KvtierError as e:
+                self.log(op="del_failed", ns=ns, i=i, not_done=not_done(e))
+                raise
             self.log(op="del_ack", ns=ns, i=i, deleted=res.deleted, missing=res.missing)
 
     def get(self, ns: str, indexes: list[int], lease_id: int = 0) -> None:
@@ -234,6 +240,14 @@ class Worker:
                 self.client.release(found.lease_id)
         while len(self.held) > HELD_LEASES:  # one more after a get that raised
             self.client.release(self.held.pop(0))
+
+
+def not_done(error: KvtierError) -> bool:
+    """Whether a call's failure is the daemon's answer that it did nothing of the call (a
+    refusal: a status it answers after deciding the call, or an UNAVAILABLE it answered, as
+    a Delete's "not done" while a stop cuts recovery off), rather than the call cut off with
+    its outcome unknown (the daemon killed under it)."""
+    return not unclean(error) or (isinstance(error, UnavailableError) and error.answered)
 
 
 def whole(block: np.ndarray) -> bool:
@@ -291,6 +305,7 @@ class Model:
                 k.must = True
                 self.counts["persisted acks"] += 1
         elif op == "del":
+            # Until its answer says what became of the key, it may be gone.
             k.must_before_delete = k.must
             k.must = False
         elif op == "del_ack":
@@ -302,6 +317,9 @@ class Model:
                 k.stored = None
                 k.gone = True
             else:  # busy: kept as it was
+                k.must = k.must_before_delete
+        elif op == "del_failed":
+            if event["not_done"]:  # refused, nothing done: kept as it was
                 k.must = k.must_before_delete
         elif op == "read":
             self.check_block(

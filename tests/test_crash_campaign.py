@@ -91,6 +91,21 @@ def test_a_kept_row_back_over_a_put_answered_persisted_since_its_delete_is_a_pro
     ]
 
 
+@pytest.mark.parametrize("not_done", [True, False])
+def test_regression_a_delete_refused_with_nothing_done_stopped_its_key_being_checked(not_done):
+    # The model took a key as maybe gone from its Delete's sending on, and back to what it was
+    # only on an answer saying it busy; a Delete that failed (UNAVAILABLE "the delete was not
+    # done", answered while a stop cuts recovery off) left a persisted key unchecked for good.
+    # Refused, nothing done, it must still be there; cut off, its outcome unknown, either.
+    model = Model()
+    _put(model, "v1", persisted=True)
+    model.feed("alice", {"op": "del", "ns": "s4k", "i": 0})
+    model.feed("alice", {"op": "del_failed", "ns": "s4k", "i": 0, "not_done": not_done})
+    model.feed("alice", {"op": "error", "what": "UnavailableError"})
+    model.observed("alice", "s4k", 0, None)
+    assert model.problems == (["alice/s4k/0: persisted, lost (v1 acked)"] if not_done else [])
+
+
 @pytest.mark.parametrize("every", [1, 2, 3])
 def test_regression_an_even_full_disk_every_had_no_growth_series(every, tmp_path, monkeypatch):
     # A full-disk series was a growth series where its own number was even, while with
