@@ -126,3 +126,60 @@ def test_regression_an_even_full_disk_every_had_no_growth_series(every, tmp_path
     full = [growth for is_full, growth in kinds if is_full]
     assert full == [True, False, True, False], kinds
     assert not any(growth for is_full, growth in kinds if not is_full), kinds
+
+
+def _in_recovery(model: Model, v: str, status: str, persisted: bool, *, sent_at: float) -> None:
+    """A put of alice/s4k/0 sent at ``sent_at``, the clients having started with a daemon
+    seen recovered at 10.0."""
+    model.recovered_at = 10.0
+    model.feed("alice", {"op": "put", "ns": "s4k", "i": 0, "v": v, "t": sent_at})
+    ack = {"op": "put_ack", "ns": "s4k", "i": 0, "v": v, "status": status, "p": persisted}
+    model.feed("alice", ack)
+
+
+def test_a_put_stored_during_recovery_over_a_persisted_row_may_be_lost():
+    # README (L2 restart): a put that stores a key during recovery drops the key's row from
+    # before the start (other bytes); not persisted, the key may be gone after a kill.
+    model = Model()
+    _put(model, "v1", persisted=True)
+    _in_recovery(model, "v2", "STORED", persisted=False, sent_at=9.9)
+    model.observed("alice", "s4k", 0, None)
+    assert model.problems == []
+    assert model.counts["persisted row replaced during recovery"] == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "persisted", "sent_at"),
+    [("EXISTS", False, 9.9), ("EXISTS", True, 9.9), ("STORED", False, 10.1)],
+)
+def test_a_persisted_key_is_a_must_after_a_put_that_kept_it_or_came_after_recovery(
+    status, persisted, sent_at
+):
+    # EXISTS during recovery keeps the key as recovered; a put sent once the start was seen
+    # recovered stores nothing over a key held (a STORED there says the key was lost).
+    model = Model()
+    _put(model, "v1", persisted=True)
+    _in_recovery(model, "v2", status, persisted=persisted, sent_at=sent_at)
+    model.observed("alice", "s4k", 0, None)
+    assert model.problems == [
+        f"alice/s4k/0: persisted, lost ({'v2' if status == 'STORED' else 'v1'} acked)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("every", "full", "rounds"),
+    [(2, False, [1, 3, 5, 7]), (4, False, [3, 7]), (1, False, [1, 2, 3, 5, 6, 7]), (1, True, [])],
+)
+def test_clients_in_recovery_every_k_rounds_but_a_series_first_and_a_full_disk(
+    every, full, rounds, tmp_path
+):
+    args = argparse.Namespace(
+        clients_in_recovery_every=every, series=4, workdir=str(tmp_path), keep=False
+    )
+    campaign = Campaign(args)
+    campaign.full_fs = tmp_path if full else None
+    try:
+        assert [r for r in range(8) if campaign.clients_in_recovery(r)] == rounds
+    finally:
+        campaign.full_fs = None
+        campaign.close()
