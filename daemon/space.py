@@ -161,10 +161,10 @@ class SpaceManager:
         self.unfreed: dict[TierKind, _Unfreed] = {}
         # Tier kind -> the slots of a persistent tier taken from blocks that a read in flight
         # may still read them for (a later recovered row of the key replaced the copy:
-        # ``BlockStore._replace_recovered``), each with its block's ref: freed
-        # (``free_held``) once nobody holds that block (``free_read_held``). Freed at once,
-        # one could go to another key's put before the read, which, failing its checksum,
-        # would quarantine the slot and delete that put's row.
+        # ``BlockStore._replace_recovered``), each with its block's ref: freed once nobody
+        # holds that block (``free_read_held``, or with the tier's next free: ``free_held``).
+        # Freed at once, one could go to another key's put before the read, which, failing
+        # its checksum, would quarantine the slot and delete that put's row.
         self.read_held: dict[TierKind, list[tuple[int, int]]] = {}
         # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
         # (``BALANCE_RETRY_S``).
@@ -1223,7 +1223,13 @@ class SpaceManager:
         was free. The holds end only once the tier has freed the slots: where it could not
         (``release`` False, or raised) the slots stay taken, and so does the room they hold
         in their owners' quotas (a put of an owner at its quota would take it, find no free
-        slot, and evict another tenant's block for one), until ``retry_frees`` frees them."""
+        slot, and evict another tenant's block for one), until ``retry_frees`` frees them.
+        The slots of ``read_held`` whose blocks nobody holds now go with them, in the same
+        release: a block's current copy freed (a Delete, an eviction; neither takes a block
+        held) while its earlier row stayed until the balancer's next pass, a crash between
+        left that row alone in the index, and the next start served the bytes it held."""
+        if self.read_held:
+            slots = [*slots, *self._idle_read_held(level)]
 
         async def free() -> bool:
             freed = await self._release_logged(level, slots, "")
@@ -1344,24 +1350,32 @@ class SpaceManager:
 
     def free_read_held(self) -> None:
         """Free (``free_held``, in the background) the slots of ``read_held`` whose blocks
-        nobody holds now (no in-flight mark, or forgotten), so no read still uses them; the
-        others wait for a later call (the balancer's pass). None while recovery reads rows
-        (``rows_unsettled``): their tier frees nothing before its last chunk is in."""
-        if self.rows_unsettled:
-            return
+        nobody holds now (``_idle_read_held``); the others wait for a later call (the
+        balancer's pass)."""
+        for kind in list(self.read_held):
+            level = self.stack[kind]
+            idle = self._idle_read_held(level)
+            if idle:
+                # No quota holds: the table counts the copies that replaced them.
+                self.free_held(level, idle, [])
+
+    def _idle_read_held(self, level: Level) -> list[int]:
+        """Take out of ``read_held`` the slots of ``level`` whose blocks nobody holds now (no
+        in-flight mark, or forgotten), so no read still uses them, and return them for the
+        caller to free. None while recovery reads rows (``rows_unsettled``): their tier frees
+        nothing before its last chunk is in."""
+        held = self.read_held.get(level.kind)
+        if not held or self.rows_unsettled:
+            return []
         table = self.table
-        for kind, held in list(self.read_held.items()):
-            rows = table.resolve_many(np.array([ref for _, ref in held], dtype=np.int64))
-            busy = ((rows >= 0) & (table.inflight[np.maximum(rows, 0)] > 0)).tolist()
-            idle = [slot for (slot, _), b in zip(held, busy, strict=True) if not b]
-            if not idle:
-                continue
-            if len(idle) == len(held):
-                del self.read_held[kind]
-            else:
-                self.read_held[kind] = [h for h, b in zip(held, busy, strict=True) if b]
-            # No quota holds: the table counts the copies that replaced them.
-            self.free_held(self.stack[kind], idle, [])
+        rows = table.resolve_many(np.array([ref for _, ref in held], dtype=np.int64))
+        busy = ((rows >= 0) & (table.inflight[np.maximum(rows, 0)] > 0)).tolist()
+        idle = [slot for (slot, _), b in zip(held, busy, strict=True) if not b]
+        if len(idle) == len(held):
+            del self.read_held[level.kind]
+        elif idle:
+            self.read_held[level.kind] = [h for h, b in zip(held, busy, strict=True) if b]
+        return idle
 
     async def give_back(self, level: Level, owner: int, slots: list[int], nbytes: int) -> None:
         """Release ``slots`` of ``level`` that ``reserve`` gave ``owner`` for blocks of

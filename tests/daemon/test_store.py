@@ -3100,6 +3100,29 @@ async def _restarted_with_its_second_chunk_held(make_store, monkeypatch, clock):
     return pool, key, medium, reopened, again, go_on
 
 
+async def _a_get_held_at_its_l2_read(store, monkeypatch, pool, key):
+    """A Get of ``key`` into page 10 started on ``store``, returned once it has named its L2
+    slots and waits to read them: (its task, the slots named, the event that lets it read)."""
+    to_pool, read_asked, read_go, read_from = (
+        store.transfers.to_pool,
+        asyncio.Event(),
+        asyncio.Event(),
+        [],
+    )
+
+    async def first_read_held(level, slots, *args, **kw):
+        if level.kind is TierKind.DISK and not read_asked.is_set():
+            read_from.extend(slots)
+            read_asked.set()
+            await read_go.wait()
+        return await to_pool(level, slots, *args, **kw)
+
+    monkeypatch.setattr(store.transfers, "to_pool", first_read_held)
+    getting = asyncio.create_task(get(store, pool, key, [10]))
+    await asyncio.wait_for(read_asked.wait(), 10)
+    return getting, read_from, read_go
+
+
 async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_durable_put(
     make_store, monkeypatch
 ):
@@ -3115,23 +3138,7 @@ async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_du
     )
     put_last = page_bytes(pool, 5)
     first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
-    to_pool, read_asked, read_go, read_from = (
-        again.transfers.to_pool,
-        asyncio.Event(),
-        asyncio.Event(),
-        [],
-    )
-
-    async def first_read_held(level, slots, *args, **kw):
-        if level.kind is TierKind.DISK and not read_asked.is_set():
-            read_from.extend(slots)
-            read_asked.set()
-            await read_go.wait()
-        return await to_pool(level, slots, *args, **kw)
-
-    monkeypatch.setattr(again.transfers, "to_pool", first_read_held)
-    getting = asyncio.create_task(get(again, pool, key, [10]))
-    await asyncio.wait_for(read_asked.wait(), 10)
+    getting, read_from, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
     assert read_from == [first]
     go_on.set()
     await asyncio.wait_for(again.recovered.wait(), 10)
@@ -3151,6 +3158,36 @@ async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_du
     assert await get(again, pool, key, [11]) == [True]
     assert page_bytes(pool, 11) == put_last
     assert again.check() == []
+
+
+async def test_regression_a_delete_after_a_held_recovered_slot_left_its_older_row_to_come_back(
+    make_store, monkeypatch
+):
+    """A key's earlier recovered row, replaced while a Get held the block, keeps its slot
+    until nobody holds the block (``SpaceManager.read_held``). Once the Get ended, a Delete
+    of the key, answered, freed the later row's slot but left the earlier row in the index
+    until the balancer's next pass: a crash then, and the next start served the key again,
+    with the bytes deleted before that put. The earlier row goes with the Delete's free."""
+    clock = Clock()
+    pool, key, medium, _, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    read_go.set()
+    assert await asyncio.wait_for(getting, 10) == [True]
+    assert (await again.delete(0, key)).deleted == 1
+    await asyncio.wait_for(again.space.drain(), 10)
+    # A crash now (no balancer pass, no stop): the next start must not find the key.
+    crashed = dataclasses.replace(medium, arena=medium.arena.copy(), index=dict(medium.index))
+    after = make_store(
+        clock, l2=MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=crashed)
+    )
+    after.start()
+    await asyncio.wait_for(after.recovered.wait(), 10)
+    assert await get(after, pool, key, [11]) == [False]
+    assert [r for r in medium.index.values() if r.key == key[0].tobytes()] == []
 
 
 @pytest.mark.parametrize("removes", ["ok", "refused at first"])
