@@ -540,7 +540,7 @@ class AsyncClient:
 
     async def _register(self, binding: PoolBinding) -> None:
         await self._unregister_unconfirmed()
-        first, request = await self._registration_request(binding)
+        request = await self._registration_request(binding)
         try:
             resp = await self._send_registration(request)
         except UnauthenticatedError:
@@ -548,30 +548,31 @@ class AsyncClient:
             # spent: where the session ended as the memory was mapped, the daemon gives the
             # ticket back if it ended the session itself (a reload), not if the client did
             # (``_give_up_session`` cancels the session's stream). Made again, with a new one.
-            # Only then: a session refused (a wrong or revoked token) leaves the request in
-            # the one it was sent in first, and a new ticket would only wait out its life in
-            # the daemon, one of the uid's unused tickets.
-            if not binding.hands_over_fd or request.session_id == first:
+            # So is one whose ticket expired while the call waited for a slot (a ticket lives
+            # ``TICKET_TTL_S``, 10 s; a call may wait its whole timeout). A session refused (a
+            # wrong or revoked token) raises from ``_registration_request`` before any ticket
+            # is fetched, so no try here leaves one unused in the daemon.
+            if not binding.hands_over_fd:
                 raise
-            _, request = await self._registration_request(binding)
+            request = await self._registration_request(binding)
             resp = await self._send_registration(request)
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
         binding.sealed = resp.sealed
         binding.session_id = request.session_id
         self._pools[resp.pool_id] = binding
 
-    async def _registration_request(self, binding: PoolBinding) -> tuple[str, Any]:
-        """(open session, request) of one registration of ``binding`` (see
+    async def _registration_request(self, binding: PoolBinding) -> Any:
+        """The request of one registration of ``binding`` (see
         ``Client._send_registration``): the session opened before the ticket is fetched, so
         that one refused (a wrong token) costs no ticket."""
-        session_id = await self.session()
+        await self.session()
         ticket = b""
         if binding.hands_over_fd:
             path = credentials.cred_socket_path(self.address)
             if path is None:
                 raise no_fd_transport(self.address)
             ticket = await _off_loop(_pool_ticket, binding, path, self.timeout_s)
-        return session_id, binding.register_request(ticket)
+        return binding.register_request(ticket)
 
     async def _send_registration(self, request: Any) -> Any:
         """The answer to ``request``, a RegisterPool, sent in the open session (again in a new

@@ -42,6 +42,7 @@ from kvtier.client import (
 from kvtier.client.flows import PoolBinding
 from kvtier.daemon import pools as pools_module
 from kvtier.daemon.config import load_config
+from kvtier.daemon.credentials import TICKET_TTL_S
 from kvtier.daemon.errors import FailedPrecondition, NotFound
 from kvtier.daemon.server import Daemon
 from kvtier.daemon.sessions import PeerCred
@@ -1222,3 +1223,48 @@ async def test_regression_a_tenant_registering_pools_in_a_loop_hid_other_tenants
     finally:
         os.close(fd)
         await registry.stop()
+
+
+def _age_tickets(daemon: Daemon) -> Callable[[], None]:
+    """A call that ages every pool ticket the daemon issued so far past its life."""
+    shift = [0.0]
+    daemon.tickets._clock = lambda: time.monotonic() + shift[0]
+
+    def age() -> None:
+        shift[0] += 2 * TICKET_TTL_S
+
+    return age
+
+
+async def test_regression_an_async_register_pool_whose_ticket_expired_waiting_for_a_slot_failed(
+    held,
+):
+    """AsyncClient fetched a memfd pool's ticket before its RegisterPool waited for a call
+    slot (``max_calls_open``): a wait past the ticket's life (``TICKET_TTL_S``, 10 s, under a
+    timeout of 30 s) sent an expired ticket, refused UNAUTHENTICATED, and since 8889de9 no new
+    ticket was tried (the registration was sent in its first session). The refused request is
+    made again with a new ticket, as before 8889de9 (the session, opened first, was not the
+    refusal)."""
+    held.release.set()
+    async with running_daemon(held) as daemon:
+        age = _age_tickets(daemon)
+
+        async def engine_side(address: str) -> None:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                async with AsyncClient(address, max_calls_open=1) as engine:
+                    await engine.session()
+                    slots = engine._slots
+                    assert slots.take()
+                    registering = asyncio.create_task(engine.register_pool(shm, LAYOUT))
+                    try:
+                        async with asyncio.timeout(WAIT_S):
+                            while slots.waiting == 0:
+                                await asyncio.sleep(0.005)
+                        age()
+                    finally:
+                        slots.release()
+                    pool = await asyncio.wait_for(registering, WAIT_S)
+                    await engine.unregister_pool(pool.pool_id)
+
+        await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
+        assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
