@@ -81,7 +81,8 @@ test-soak: system-deps
 
 # The crash campaign: kvtierd SIGKILLed at random moments under four client processes of two
 # tenants, restarted and checked against what was acknowledged, round after round (about 12 s
-# a round here); prints each round's seed and the moments hit. Outside every other target.
+# a round here); prints each round's seed and the moments hit. Outside every other target but
+# test-slow, which runs three rounds (two with the clients started during L2's recovery).
 CRASH_ROUNDS ?= 200
 CRASH_SEED ?= 1
 crash-campaign: system-deps

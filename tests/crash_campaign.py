@@ -41,11 +41,15 @@ reserve back (the log) are counted.
 
 In every K-th round (``--clients-in-recovery-every K``; but a series' first and a full-disk
 series' rounds) the idle daemon is killed first and the clients start with its restart, their
-calls running during its recovery of L2 (of its checked keys' rows and of 16,384 more, put
-once a series to make it last). A put sent before the campaign saw the start recovered that
-is answered ``STORED`` (not ``persisted``) of a key answered persisted before drops that key's
-row from before the start (README: of other bytes), so its key need not be there after the
-next restart; an ``EXISTS`` answer keeps the key as recovered, still a must.
+calls running during its recovery of L2 (of its checked keys' rows and of 32,768 more, put
+once a series to make it last). Each begins with durable puts (``RECOVERY_PUTS``), which the
+daemon answers once L2 takes blocks, and the daemon is killed once each has had its first
+answered: a put answered persisted during recovery, its block not on L2 (nor written there
+before the kill, as seconds of L1's demotions would), is lost and seen. A put sent before the
+campaign saw the start recovered that is answered ``STORED`` (not ``persisted``) of a key
+answered persisted before drops that key's row from before the start (README: of other
+bytes), so its key need not be there after the next restart; an ``EXISTS`` answer keeps the
+key as recovered, still a must.
 
 L1's capacity changes at every restart. Every round prints one line (seed, moment, counts);
 a failed check stops the campaign with the seed that reproduces its round's draws. The clients
@@ -105,10 +109,16 @@ BATCH_KEYS = {GROWTH_NAMESPACE: 256}
 SMALL_BATCH_KEYS = 4
 # Blocks of 4 KiB (GROWTH_NAMESPACE's layout) of alice's, put durable once a series before
 # its first round whose clients start with a restart, never read: rows for that recovery to
-# read (0.2-0.5 s of it on two cores), which a hundred-odd checked keys' rows (or 8,192 rows)
-# ended before a client had its pools registered.
+# read (0.4-0.8 s of it on two cores), which a hundred-odd checked keys' rows (or 8,192 rows)
+# ended before a client had its pools registered, and 16,384 rows (0.2-0.5 s) before most
+# clients' first durable puts were sent (2 to 10 of their keys a round).
 BALLAST_NAMESPACE = "ballast"
-BALLAST_KEYS = 16384
+BALLAST_KEYS = 32768
+# The ops a client process that starts with a restart begins with: durable puts, sent while
+# that start's recovery runs (a durable put is answered once the disk tier takes blocks, after
+# recovery; one answered during it was not written there). The round's kill comes once every
+# client process has had its first answered.
+RECOVERY_PUTS = 3
 
 
 def batch_keys(ns: str) -> int:
@@ -174,6 +184,7 @@ class Worker:
         self.counter = 0
         self.counts: Counter[str] = Counter()
         self.held: list[int] = []  # pinned leases kept unreleased
+        self.durable_puts = RECOVERY_PUTS if args.with_start else 0  # still to begin with
         self.log(op="ready", t=time.monotonic())
 
     def log(self, **event: Any) -> None:
@@ -193,6 +204,9 @@ class Worker:
             op = self.rng.choices(
                 OPS, (3, 4, 1, 3, 2) if ns not in BATCH_KEYS else (8, 1, 1, 2, 1)
             )[0]
+            if self.durable_puts:
+                self.durable_puts -= 1
+                op = "durable_put"
             try:
                 getattr(self, op)(ns, indexes)
                 self.counts[op] += 1
@@ -204,9 +218,9 @@ class Worker:
         self.log(op="counts", counts=dict(self.counts))
         self.client.close()  # its session ends with the leases held still pinned
 
-    def put(self, ns: str, indexes: list[int]) -> None:
+    def put(self, ns: str, indexes: list[int], durable: bool = False) -> None:
         # A growth series' batches are durable: their rows commit in the put, growing the index.
-        durable = ns in BATCH_KEYS or self.rng.random() < 0.5
+        durable = durable or ns in BATCH_KEYS or self.rng.random() < 0.5
         versions = []
         for page, i in enumerate(indexes):
             self.counter += 1
@@ -222,6 +236,9 @@ class Worker:
         for n, (i, v) in enumerate(zip(indexes, versions, strict=True)):
             persisted = bool(res.persisted[n]) if res.persisted is not None else False
             self.log(op="put_ack", ns=ns, i=i, v=v, status=res.statuses[n].name, p=persisted)
+
+    def durable_put(self, ns: str, indexes: list[int]) -> None:
+        self.put(ns, indexes, durable=True)
 
     def overwrite(self, ns: str, indexes: list[int]) -> None:
         """A new version of held keys: a put of a key held answers EXISTS and keeps it."""
@@ -352,6 +369,8 @@ class Model:
             if event["p"]:
                 k.must = True
                 self.counts["persisted acks"] += 1
+                if k.put_at < self.recovered_at:
+                    self.counts["persisted acks of puts sent during recovery"] += 1
         elif op == "del":
             # Until its answer says what became of the key, it may be gone.
             k.must_before_delete = k.must
@@ -451,8 +470,9 @@ DEGRADED_AT_START = "L2 tier degraded: start: the disk of"
 # that gives it back for the index's open logs "to open the index" there instead.
 GAVE_BACK = re.compile(r"to commit a removal; gave back the (\d+) KiB reserve")
 # The full-disk series' filesystem; its L2 of 128 MiB holds every key of both tenants (68 MiB)
-# as the 256 MiB of the others do (an eviction would drop blocks answered persisted), and of
-# 192 MiB in a growth series, GROWTH_NAMESPACE's 32 MiB more.
+# as the 256 MiB of the others do (an eviction would drop blocks answered persisted; theirs
+# has the BALLAST_KEYS' 128 MiB more), and of 192 MiB in a growth series, GROWTH_NAMESPACE's
+# 32 MiB more.
 FULL_FS_BYTES = 256 << 20
 
 
@@ -652,8 +672,15 @@ class Campaign:
             d.wait_ready()
             recovered_at = time.monotonic()
             self.moments["clients started with the start"] += 1
+            # Killed once every client has had its first durable put answered (or refused):
+            # one answered during recovery had its block on L1 only, which demotes nothing
+            # before recovery's end; seconds later, its demotions would have written most
+            # such blocks to L2, and the kill would find them there.
+            moment = "first durable puts answered"
         self.started(rnd, procs, "ready")
-        deadline = time.monotonic() + rng.uniform(0.5, 4.0)
+        if in_recovery:
+            self.started(rnd, procs, "put_ack", "error")
+        deadline = time.monotonic() + (0 if in_recovery else rng.uniform(0.5, 4.0))
         while time.monotonic() < deadline:
             time.sleep(rng.uniform(0.05, 0.5))
             if rng.random() < 0.15:
@@ -732,14 +759,21 @@ class Campaign:
         self.ballasted = True
 
     def started(
-        self, rnd: int, procs: list[tuple[str, subprocess.Popen[bytes], Path]], event: str
+        self, rnd: int, procs: list[tuple[str, subprocess.Popen[bytes], Path]], *events: str
     ) -> None:
-        """Wait until every client process has journaled ``event`` ("waiting": for the
-        daemon's socket; "ready": its pools registered)."""
+        """Wait until every client process has journaled one of ``events`` ("waiting": for
+        the daemon's socket; "ready": its pools registered; "put_ack" or "error": its first
+        call answered)."""
         ready_by = time.monotonic() + 60
-        while not all(j.exists() and f'{{"op": "{event}"' in j.read_text() for *_, j in procs):
+        marks = [f'{{"op": "{event}"' for event in events]
+
+        def journaled(journal: Path) -> bool:
+            text = journal.read_text() if journal.exists() else ""
+            return any(m in text for m in marks)
+
+        while not all(journaled(j) for *_, j in procs):
             if time.monotonic() > ready_by or any(p.poll() is not None for _, p, _ in procs):
-                self.model.problems.append(f"round {rnd}: a client did not start")
+                self.model.problems.append(f"round {rnd}: a client did not journal {events}")
                 return
             time.sleep(0.02)
 
@@ -813,7 +847,11 @@ class Campaign:
         # counted among the full-disk series (series // k of them before this one).
         self.growth = self.full_fs is not None and self.series // k % 2 == 0
         self.l2_bytes = (
-            (256 << 20) if not self.full_fs else (192 << 20) if self.growth else (128 << 20)
+            (256 << 20) + BALLAST_KEYS * (4 << 10)
+            if not self.full_fs
+            else (192 << 20)
+            if self.growth
+            else (128 << 20)
         )
         self.admit_all = self.series % 4 in (0, 3)  # with and without L3
         self.l3 = self.args.l3_every > 0 and self.series % self.args.l3_every == 1
