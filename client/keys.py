@@ -19,15 +19,21 @@ Only full blocks have keys; a trailing partial block is never stored.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.client.errors import InvalidArgumentError
+
 KEY_BYTES = 32
 _NS_TAG = b"kvtier-namespace-v1"
 _BLOCK_TAG = b"kvtier-block-v1"
+# The namespace's fields as its seed hashes them: ``str(s)`` and ``u32(x)``.
+_STR_FIELDS = ("model", "revision", "kv_dtype", "kv_layout", "tenant", "extra")
+_U32_FIELDS = ("block_tokens", "tp_rank", "tp_size", "pp_rank", "pp_size")
 
 
 def _str(s: str) -> bytes:
@@ -57,6 +63,29 @@ class Namespace:
     extra: str = ""
 
     def __post_init__(self) -> None:
+        # Each field as the seed hashes it, checked here: one it cannot hash (a float block
+        # size, an int past 32 bits, a field that is no str) was taken, and every key of it
+        # then failed with struct's own error, once a pool was registered under it.
+        for name in _STR_FIELDS:
+            text = getattr(self, name)
+            if not isinstance(text, str):
+                raise InvalidArgumentError(
+                    f"namespace {name}: expected str, not {type(text).__name__}"
+                )
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidArgumentError(
+                    f"namespace {name}: not encodable as UTF-8 ({e.reason})"
+                ) from None
+        for name in _U32_FIELDS:
+            number = getattr(self, name)
+            if isinstance(number, (bool, np.bool_)) or not hasattr(type(number), "__index__"):
+                raise InvalidArgumentError(
+                    f"namespace {name}: expected int, not {type(number).__name__}"
+                )
+            if not 0 <= operator.index(number) <= 0xFFFFFFFF:
+                raise InvalidArgumentError(f"namespace {name}: must lie in [0, 2**32)")
         if not self.model:
             raise ValueError("namespace model must not be empty")
         if self.block_tokens < 1:

@@ -9,6 +9,7 @@ import struct
 import numpy as np
 import pytest
 
+from kvtier.client.errors import InvalidArgumentError
 from kvtier.client.keys import Namespace, block_key, block_keys
 
 LLAMA = Namespace(
@@ -123,3 +124,47 @@ def test_bad_namespaces_are_refused():
         Namespace(model="m", kv_dtype="float16", block_tokens=0)
     with pytest.raises(ValueError):
         Namespace(model="m", kv_dtype="float16", block_tokens=4, tp_rank=2, tp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ({"block_tokens": 4.0}, r"^namespace block_tokens: expected int, not float$"),
+        ({"block_tokens": True}, r"^namespace block_tokens: expected int, not bool$"),
+        ({"block_tokens": 2**32}, r"^namespace block_tokens: must lie in \[0, 2\*\*32\)$"),
+        ({"tp_size": 1.5}, r"^namespace tp_size: expected int, not float$"),
+        (
+            {"tp_rank": 2**32, "tp_size": 2**32 + 1},
+            r"^namespace tp_rank: must lie in \[0, 2\*\*32\)$",
+        ),
+        pytest.param(
+            {"pp_size": 10**5000},
+            r"^namespace pp_size: must lie in \[0, 2\*\*32\)$",
+            id="pp_size=10**5000",
+        ),
+        ({"model": 5}, r"^namespace model: expected str, not int$"),
+        ({"tenant": None}, r"^namespace tenant: expected str, not NoneType$"),
+        ({"extra": b"lora"}, r"^namespace extra: expected str, not bytes$"),
+        ({"kv_layout": "\ud800"}, r"^namespace kv_layout: not encodable as UTF-8 \("),
+    ],
+    ids=lambda v: ",".join(f"{k}={v[k]!r}" for k in v) if isinstance(v, dict) else "",
+)
+def test_regression_a_namespace_field_its_seed_cannot_hash_was_taken(field, message):
+    """A namespace hashes its ints as u32 and its strs as UTF-8 (the spec above): one given a
+    float block size (``16.0`` read from a config), a bool, an int past 32 bits or a field
+    that is no str was taken, and so was a pool registered under it (``16.0 == 16``, the
+    layout's block size), and every key of it then failed in the caller with struct's own
+    ``struct.error`` (no ValueError, no client error: ``pool.store(tokens, pages)`` raised
+    it) or an AttributeError. It is refused at construction, naming the field, as the
+    client's other bad arguments are."""
+    fields = {"model": "m", "kv_dtype": "float16", "block_tokens": 4, **field}
+    with pytest.raises(InvalidArgumentError, match=message):
+        Namespace(**fields)
+
+
+@pytest.mark.parametrize("number", [np.int64(4), np.uint32(4)])
+def test_a_namespace_takes_numpy_integers(number):
+    ns = Namespace(model="m", kv_dtype="float16", block_tokens=number, tp_size=number)
+    assert block_keys(ns, list(range(8))) == block_keys(
+        Namespace(model="m", kv_dtype="float16", block_tokens=4, tp_size=4), list(range(8))
+    )
