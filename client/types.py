@@ -279,10 +279,12 @@ def checked_address(address: str) -> str:
     34463, and sent a tenant's token to whatever listened there)."""
     path = unix_socket_path(address)
     if path is None and (tcp := _HOST_PORT.fullmatch(address)) is not None:
-        port = int(tcp.group(1))
-        if not 0 < port < 65536:
+        # Read as a number only where it may be a port: int() refuses one past 4,300 digits
+        # (Python's ValueError, untyped).
+        port = tcp.group(1).lstrip("0")
+        if len(port) > 5 or not 0 < int(port or "0") < 65536:
             raise InvalidArgumentError(
-                f"address {address}: port {port} is not a TCP port (1 to 65535)"
+                f"address {address}: port {tcp.group(1)} is not a TCP port (1 to 65535)"
             )
     if path is not None:
         if not path:

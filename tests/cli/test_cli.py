@@ -1455,3 +1455,23 @@ def test_regression_an_address_no_daemon_can_have_was_taken(capsys, address, say
         wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
     code, _, err = run_main(capsys, "--address", address, "health")
     assert code == 3 and says in err
+
+
+def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
+    """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
+    ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
+    exited with its traceback. Such a port is no TCP port, refused as any other."""
+    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+
+    address = "localhost:" + "9" * 5000
+    says = r"^address localhost:9{5000}: port 9{5000} is not a TCP port \(1 to 65535\)$"
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match=says):
+            make(address)
+    with pytest.raises(InvalidArgumentError, match=says):
+        wait_until_serving(address, timeout_s=30)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and "is not a TCP port" in err
+    # Leading zeros do not make a port longer than it is.
+    with pytest.raises(InvalidArgumentError, match=r"port 0+70000 is not a TCP port"):
+        Client("localhost:" + "0" * 5000 + "70000")
