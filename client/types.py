@@ -221,7 +221,10 @@ def split_counter(key: str) -> tuple[str, dict[str, str]]:
 def resolve_address(address: str | None) -> str:
     """The gRPC target: ``address``, else ``$KVTIER_ADDRESS``, else the default socket
     (``kvtier.paths``: the first of the user's and the system's daemon sockets that exists).
-    Unix socket paths are made absolute."""
+    Unix socket paths are made absolute. One that is no str is InvalidArgumentError (a
+    ``Path`` raised AttributeError here, and an empty list took the default)."""
+    if address is not None and not isinstance(address, str):
+        raise InvalidArgumentError(f"address: expected str, not {type(address).__name__}")
     address = address or os.environ.get(ADDRESS_ENV) or "unix:" + paths.default_client_socket()
     if address.startswith("unix:") and not address.startswith("unix://"):
         # An empty path stays empty (``checked_address`` refuses it): abspath made it the

@@ -16,6 +16,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from kvtier.client import (
     SharedMemoryPool,
     Tier,
     block_keys,
+    wait_until_serving,
 )
 from kvtier.client.sync import resolve_token
 
@@ -374,6 +376,23 @@ def test_a_clients_own_settings_are_checked_at_construction(client_type, kwargs,
     DEADLINE_EXCEEDED, and an int past a float's range raised OverflowError."""
     with pytest.raises(InvalidArgumentError, match=message):
         client_type("unix:/nonexistent.sock", **kwargs)
+
+
+@pytest.mark.parametrize("client_type", [Client, AsyncClient])
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [(Path("/run/kvtierd.sock"), "PosixPath"), (b"unix:/run/kvtierd.sock", "bytes"), (5, "int")],
+)
+def test_regression_an_address_that_is_no_str_raised_an_untyped_error(client_type, address, kind):
+    """The address was read as a str before any check: a ``Path`` to the daemon's socket
+    (which ``token_file`` takes) raised AttributeError ('PosixPath' object has no attribute
+    'startswith'), bytes a TypeError, from the constructor, and so did
+    ``wait_until_serving``; no KvtierError."""
+    message = rf"^address: expected str, not {kind}$"
+    with pytest.raises(InvalidArgumentError, match=message):
+        client_type(address)
+    with pytest.raises(InvalidArgumentError, match=message):
+        wait_until_serving(address, timeout_s=30)  # at once: waiting will not mend it
 
 
 @pytest.mark.parametrize("client_type", [Client, AsyncClient])
