@@ -36,7 +36,7 @@ from typing import Any
 
 from kvtier.client.integrations.fingerprint import folder_name, weights_dir_fingerprint
 from kvtier.client.keys import Namespace
-from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem
+from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem, shown
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, LayerLayout
 
 KEY_SCHEME = "sglang-hicache-v1"
@@ -150,7 +150,7 @@ class StorageOptions:
 
 def _parse(cls: Any, raw: Any, where: str) -> Any:
     if not isinstance(raw, Mapping):
-        raise ValueError(f"{where} must be a dict, not {raw!r}")
+        raise ValueError(f"{where} must be a dict, not {shown(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
@@ -163,19 +163,19 @@ def _parse(cls: Any, raw: Any, where: str) -> Any:
             values[key] = _parse(NamespaceOptions, value, here)
         elif typ == "bool":
             if not isinstance(value, bool):
-                raise ValueError(f"{here} must be true or false, not {value!r}")
+                raise ValueError(f"{here} must be true or false, not {shown(value)}")
             values[key] = value
         elif typ == "int":
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{here} must be an integer, not {value!r}")
+                raise ValueError(f"{here} must be an integer, not {shown(value)}")
             values[key] = value
         elif typ == "float":
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{here} must be a number, not {value!r}")
+                raise ValueError(f"{here} must be a number, not {shown(value)}")
             values[key] = as_float(value)
         elif typ == "str":
             if not isinstance(value, str):
-                raise ValueError(f"{here} must be a string, not {value!r}")
+                raise ValueError(f"{here} must be a string, not {shown(value)}")
             values[key] = value
         else:  # pragma: no cover - a field type this parser does not know
             raise AssertionError(f"unhandled option type {typ} for {key}")

@@ -46,7 +46,7 @@ from kvtier.client.integrations.fingerprint import (
     weights_dir_fingerprint,
 )
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
-from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem
+from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem, shown
 
 log = logging.getLogger(__name__)
 
@@ -233,24 +233,28 @@ def _convert(key: str, typ: Any, raw: Any) -> Any:
         )
     if typ == "bool":
         if not isinstance(raw, bool):
-            raise ValueError(f"{where} must be true or false, not {raw!r}")
+            raise ValueError(f"{where} must be true or false, not {shown(raw)}")
         return raw
     if typ == "int":
         if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ValueError(f"{where} must be an integer, not {raw!r}")
+            raise ValueError(f"{where} must be an integer, not {shown(raw)}")
         return raw
     if typ == "float":
         if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise ValueError(f"{where} must be a number, not {raw!r}")
+            raise ValueError(f"{where} must be a number, not {shown(raw)}")
         return as_float(raw)
     if typ == "str":
         if not isinstance(raw, str):
-            raise ValueError(f"{where} must be a string, not {raw!r}")
+            raise ValueError(f"{where} must be a string, not {shown(raw)}")
         return raw
     if typ.startswith("tuple"):
+        # Not str() of any item: an int past 4,300 digits raised Python's ValueError, naming
+        # no option (and no item but a str names a tier).
         if isinstance(raw, str) or not isinstance(raw, Sequence):
             raise ValueError(f"{where} must be a list of strings")
-        return tuple(str(x).lower() for x in raw)
+        if not all(isinstance(x, str) for x in raw):
+            raise ValueError(f"{where} must be a list of strings, not {shown(raw)}")
+        return tuple(x.lower() for x in raw)
     raise AssertionError(f"unhandled option type {typ} for {key}")
 
 

@@ -115,3 +115,36 @@ def test_a_unix_socket_address_is_taken(
     assert CONNECTORS[connector]({}).address == ""
     monkeypatch.setenv("KVTIER_ADDRESS", address)
     assert CONNECTORS[connector]({}).address == ""
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        pytest.param("address", 10**5000, id="address=10**5000"),
+        pytest.param("save_durable", 10**5000, id="save_durable=10**5000"),
+        pytest.param("save_durable", [10**5000], id="save_durable=[10**5000]"),
+        pytest.param("retry_after_s", [10**5000], id="retry_after_s=[10**5000]"),
+        pytest.param("staging_bytes", [10**5000], id="staging_bytes=[10**5000]"),
+    ],
+)
+def test_regression_an_option_holding_an_int_past_4300_digits_was_refused_unnamed(
+    connector: str, name: str, value: object
+) -> None:
+    """A refused option's message showed its value by its repr, which Python refuses for an
+    int past 4,300 digits, and for a list holding one: the ValueError raised was Python's
+    own ("Exceeds the limit (4300 digits) ..."), naming no option. It names the option, and
+    shows such a value by its kind (``types.shown``), as the clients' refusals do."""
+    with pytest.raises(ValueError, match=rf"\[{name!r}\] must be .*, not (an int|a list)"):
+        CONNECTORS[connector]({name: value})
+
+
+def test_regression_vllms_load_tiers_holding_an_int_past_4300_digits_was_refused_unnamed() -> None:
+    """``load_tiers`` took each item's ``str()``, which Python refuses for an int past 4,300
+    digits: its ValueError named no option."""
+    with pytest.raises(ValueError, match=r"\['load_tiers'\] must be a list of strings, not a"):
+        ConnectorConfig.from_extra_config({"load_tiers": ["l1", 10**5000]})
+    assert ConnectorConfig.from_extra_config({"load_tiers": ["L1", "l2"]}).load_tiers == (
+        "l1",
+        "l2",
+    )
