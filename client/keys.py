@@ -80,11 +80,17 @@ class Namespace:
                 ) from None
         for name in _U32_FIELDS:
             number = getattr(self, name)
-            if isinstance(number, (bool, np.bool_)) or not hasattr(type(number), "__index__"):
+            try:
+                # Not whether its type has ``__index__``: an array's or a tensor's refuses
+                # floats and more than one element with a TypeError.
+                value = None if isinstance(number, (bool, np.bool_)) else operator.index(number)
+            except TypeError:
+                value = None
+            if value is None:
                 raise InvalidArgumentError(
                     f"namespace {name}: expected int, not {type(number).__name__}"
                 )
-            if not 0 <= operator.index(number) <= 0xFFFFFFFF:
+            if not 0 <= value <= 0xFFFFFFFF:
                 raise InvalidArgumentError(f"namespace {name}: must lie in [0, 2**32)")
         if not self.model:
             raise ValueError("namespace model must not be empty")

@@ -8,6 +8,7 @@ import struct
 
 import numpy as np
 import pytest
+import torch
 
 from kvtier.client.errors import InvalidArgumentError
 from kvtier.client.keys import Namespace, block_key, block_keys
@@ -167,4 +168,32 @@ def test_a_namespace_takes_numpy_integers(number):
     ns = Namespace(model="m", kv_dtype="float16", block_tokens=number, tp_size=number)
     assert block_keys(ns, list(range(8))) == block_keys(
         Namespace(model="m", kv_dtype="float16", block_tokens=4, tp_size=4), list(range(8))
+    )
+
+
+@pytest.mark.parametrize(
+    ("number", "kind"),
+    [
+        pytest.param(np.array([4]), "ndarray", id="np.array([4])"),
+        pytest.param(np.array(4.0), "ndarray", id="np.array(4.0)"),
+        pytest.param(torch.tensor(4.0), "Tensor", id="torch.tensor(4.0)"),
+        pytest.param(torch.tensor([4, 4]), "Tensor", id="torch.tensor([4, 4])"),
+    ],
+)
+def test_regression_an_int_field_whose_type_has_index_but_is_no_integer_raised_type_error(
+    number, kind
+):
+    """The int fields' check took any value whose type has ``__index__`` for an integer: a
+    NumPy array or a torch tensor has one, which refuses an array of floats or of more than
+    one element, so ``Namespace(block_tokens=torch.tensor(4.0))`` raised that TypeError from
+    the check, no InvalidArgumentError naming the field. Such a value is refused as any
+    other that is no integer."""
+    for name in ("block_tokens", "tp_size"):
+        with pytest.raises(
+            InvalidArgumentError, match=rf"^namespace {name}: expected int, not {kind}$"
+        ):
+            Namespace(**{"model": "m", "kv_dtype": "float16", "block_tokens": 4, name: number})
+    # One integer in a 0-d array or tensor is an integer, as NumPy's scalars are.
+    assert Namespace(model="m", kv_dtype="float16", block_tokens=torch.tensor(4)).seed() == (
+        Namespace(model="m", kv_dtype="float16", block_tokens=4).seed()
     )
