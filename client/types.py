@@ -452,6 +452,13 @@ def shown(value: object) -> str:
         return f"a {type(value).__name__} holding an int of more than 4,300 digits"
 
 
+def shown_keys(keys: Iterable[object]) -> str:
+    """``keys`` for an error's message, as a list sorted by what it shows: ``sorted`` refuses
+    keys of mixed types (TypeError), and ``repr`` a list holding an int past 4,300 digits,
+    so a message naming unknown keys failed with Python's error, naming no option."""
+    return "[" + ", ".join(sorted(shown(k) for k in keys)) + "]"
+
+
 def checked_type(value: T, types: type | tuple[type, ...], what: str) -> T:
     """``value`` if it is one of ``types``; InvalidArgumentError naming ``what`` otherwise (the
     calls that take an object use its attributes, and a wrong one failed deep inside with an

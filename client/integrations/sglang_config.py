@@ -36,7 +36,13 @@ from typing import Any
 
 from kvtier.client.integrations.fingerprint import folder_name, weights_dir_fingerprint
 from kvtier.client.keys import Namespace
-from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem, shown
+from kvtier.client.types import (
+    MAX_SECONDS,
+    as_float,
+    pool_address_problem,
+    shown,
+    shown_keys,
+)
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, LayerLayout
 
 KEY_SCHEME = "sglang-hicache-v1"
@@ -152,9 +158,9 @@ def _parse(cls: Any, raw: Any, where: str) -> Any:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where} must be a dict, not {shown(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = set(raw) - set(fields)
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+        raise ValueError(f"{where}: unknown key(s) {shown_keys(unknown)}; known: {sorted(fields)}")
     values = {}
     for key, value in raw.items():
         typ = str(fields[key].type)

@@ -46,7 +46,13 @@ from kvtier.client.integrations.fingerprint import (
     weights_dir_fingerprint,
 )
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
-from kvtier.client.types import MAX_SECONDS, as_float, pool_address_problem, shown
+from kvtier.client.types import (
+    MAX_SECONDS,
+    as_float,
+    pool_address_problem,
+    shown,
+    shown_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +164,11 @@ class ConnectorConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         names = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(names))
+        unknown = set(extra) - set(names)
         if unknown:
             raise ValueError(
-                f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"kvtier connector: unknown kv_connector_extra_config key(s) "
+                f"{shown_keys(unknown)}; "
                 f"known: {sorted(names)}"
             )
         values: dict[str, Any] = {}
@@ -225,9 +232,11 @@ def _convert(key: str, typ: Any, raw: Any) -> Any:
         if not isinstance(raw, Mapping):
             raise ValueError(f"{where} must be a dict")
         fields = {f.name: f for f in dataclasses.fields(NamespaceOptions)}
-        unknown = sorted(set(raw) - set(fields))
+        unknown = set(raw) - set(fields)
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+            raise ValueError(
+                f"{where}: unknown key(s) {shown_keys(unknown)}; known: {sorted(fields)}"
+            )
         return NamespaceOptions(
             **{k: _convert(f"namespace.{k}", fields[k].type, v) for k, v in raw.items()}
         )

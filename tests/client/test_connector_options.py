@@ -148,3 +148,26 @@ def test_regression_vllms_load_tiers_holding_an_int_past_4300_digits_was_refused
         "l1",
         "l2",
     )
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize(
+    ("raw", "names"),
+    [
+        pytest.param({10**5000: True}, r"\[an int of 16610 bits\]", id="10**5000"),
+        pytest.param({1: True, "adress": "x"}, r"\['adress', 1\]", id="1-and-adress"),
+        pytest.param(
+            {"namespace": {10**5000: "x"}}, r"\[an int of 16610 bits\]", id="namespace.10**5000"
+        ),
+        pytest.param({"namespace": {None: "x", "modle": "x"}}, r"\['modle', None\]", id="ns.None"),
+    ],
+)
+def test_regression_an_unknown_key_that_is_no_string_was_refused_with_pythons_error(
+    connector: str, raw: dict, names: str
+) -> None:
+    """The unknown keys were named by the repr of their sorted list: ``sorted`` refuses keys
+    of mixed types (TypeError: '<' not supported between instances of 'str' and 'int'), and
+    the repr an int key past 4,300 digits (Python's ValueError), neither naming the option
+    that was wrong. They are named as the values are (``types.shown``)."""
+    with pytest.raises(ValueError, match=rf"unknown (kv_connector_extra_config )?key\(s\) {names}"):
+        CONNECTORS[connector](raw)
