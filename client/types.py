@@ -242,7 +242,7 @@ MAX_UNIX_PATH_BYTES = 107
 
 # "host:port", "[v6]:port", "dns:[//authority/]host:port" and one "ipv4:"/"ipv6:" address:
 # the TCP forms whose port is checked (gRPC's other target forms are left to gRPC).
-_HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):(\d+)")
+_HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):([0-9]+)")
 
 
 def unix_socket_path(address: str) -> str | None:

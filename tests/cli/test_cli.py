@@ -1462,6 +1462,7 @@ def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
     exited with its traceback. Such a port is no TCP port, refused as any other."""
     from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+    from kvtier.client.types import checked_address
 
     address = "localhost:" + "9" * 5000
     says = r"^address localhost:9{5000}: port 9{5000} is not a TCP port \(1 to 65535\)$"
@@ -1472,6 +1473,8 @@ def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(
         wait_until_serving(address, timeout_s=30)
     code, _, err = run_main(capsys, "--address", address, "health")
     assert code == 3 and "is not a TCP port" in err
-    # Leading zeros do not make a port longer than it is.
+    # Leading zeros do not make a port longer than it is: one in range is taken.
     with pytest.raises(InvalidArgumentError, match=r"port 0+70000 is not a TCP port"):
         Client("localhost:" + "0" * 5000 + "70000")
+    padded = "localhost:" + "0" * 5000 + "8080"
+    assert checked_address(padded) == padded
