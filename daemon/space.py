@@ -161,10 +161,11 @@ class SpaceManager:
         self.unfreed: dict[TierKind, _Unfreed] = {}
         # Tier kind -> the slots of a persistent tier taken from blocks that a read in flight
         # may still read them for (a later recovered row of the key replaced the copy:
-        # ``BlockStore._replace_recovered``), each with its block's ref: freed once nobody
-        # holds that block (``free_read_held``, or with the tier's next free: ``free_held``).
-        # Freed at once, one could go to another key's put before the read, which, failing
-        # its checksum, would quarantine the slot and delete that put's row.
+        # ``BlockStore._replace_recovered``), each with its block's ref: freed as the last
+        # hold on that block ends (``free_read_held``, called wherever an in-flight mark is
+        # dropped while this is not empty). Freed at once, one could go to another key's put
+        # before the read, which, failing its checksum, would quarantine the slot and delete
+        # that put's row.
         self.read_held: dict[TierKind, list[tuple[int, int]]] = {}
         # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
         # (``BALANCE_RETRY_S``).
@@ -1172,6 +1173,8 @@ class SpaceManager:
                 unplaced = await self._demote(level, dirty, priority, urgency)
             finally:
                 add_at(table.inflight, victims, -1)
+                if self.read_held:
+                    self.free_read_held()
             # While the writes ran a request may have pinned, read, touched or hinted a
             # victim: such a block stays (and now has a clean lower copy).
             # A victim may also have lost this copy meanwhile (a failed read drops it).
@@ -1226,8 +1229,8 @@ class SpaceManager:
         slot, and evict another tenant's block for one), until ``retry_frees`` frees them.
         The slots of ``read_held`` whose blocks nobody holds now go with them, in the same
         release: a block's current copy freed (a Delete, an eviction; neither takes a block
-        held) while its earlier row stayed until the balancer's next pass, a crash between
-        left that row alone in the index, and the next start served the bytes it held."""
+        held) must not leave its earlier row behind in the index, where a crash would have
+        the next start serve the bytes it held."""
         if self.read_held:
             slots = [*slots, *self._idle_read_held(level)]
 
@@ -1350,8 +1353,10 @@ class SpaceManager:
 
     def free_read_held(self) -> None:
         """Free (``free_held``, in the background) the slots of ``read_held`` whose blocks
-        nobody holds now (``_idle_read_held``); the others wait for a later call (the
-        balancer's pass)."""
+        nobody holds now (``_idle_read_held``); the others wait for a later call: each drop
+        of an in-flight mark makes one while ``read_held`` is not empty (``end_in_flight``,
+        a Get's end, a demotion's, a put's commit), so a slot goes as the last hold on its
+        block ends."""
         for kind in list(self.read_held):
             level = self.stack[kind]
             idle = self._idle_read_held(level)
@@ -1546,9 +1551,12 @@ class SpaceManager:
         """End one in-flight hold of each of ``bids`` (``table.inflight``, raised by whoever
         kept the blocks from eviction and deletion while it copied or persisted them; a block
         named twice loses two). A block that lost its last copy meanwhile, and is held by
-        nobody now, is forgotten (``forget_orphans``)."""
+        nobody now, is forgotten (``forget_orphans``), and the slots of ``read_held`` whose
+        blocks nobody holds now are freed (``free_read_held``)."""
         add_at(self.table.inflight, bids, -1)
         self.forget_orphans(bids)
+        if self.read_held:
+            self.free_read_held()
 
     def forget_orphans(self, bids: np.ndarray) -> None:
         """A block that lost its last copy while held (a failed read) is forgotten once
@@ -1693,13 +1701,10 @@ class SpaceManager:
         key-addressed tier), and dropping early would only waste capacity; a persistent one
         is kept under its watermarks, its drops being I/O done ahead of need. First, frees a
         persistent tier could not do whose wait is over are tried again (``retry_frees``:
-        the balancer's period is their timer), and slots held for reads that have ended are
-        freed (``free_read_held``)."""
+        the balancer's period is their timer)."""
         self.apply_touches()
         if self.unfreed:
             self.retry_frees()
-        if self.read_held:
-            self.free_read_held()
         now = self._clock()
         for level in self.stack:
             if level.keyed or not (level.persistent or self._moves_down(level)):

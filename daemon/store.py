@@ -1254,8 +1254,7 @@ class BlockStore:
                 raise
             finally:
                 # Nothing below awaits: the caller holds the part before anything else runs.
-                add_at(table.inflight, kept, -1)
-                self.space.forget_orphans(kept)
+                self.space.end_in_flight(kept)
             stored = bids[:placed]
             # The copies waited: a block of an existing key may have been deleted meanwhile,
             # its row even reused by another block.
@@ -1606,6 +1605,8 @@ class BlockStore:
         # The put's own in-flight mark ends: a row it stored into again (``_claim_bare``) may
         # be held by others too.
         add_at(self.table.inflight, bids, -1)
+        if self.space.read_held:
+            self.space.free_read_held()
         if len(bids) == 1:
             self._commit_one(int(bids[0]), int(pars[0]))
             return
@@ -1754,6 +1755,8 @@ class BlockStore:
             # while this one held the block) is forgotten once nobody holds it.
             if not loaded.all() or self.space.copies_lost != lost:
                 self.space.forget_orphans(bids)
+            if self.space.read_held:  # slots kept for reads of blocks this Get may have held
+                self.space.free_read_held()
         loaded_ids = ids[loaded]
         self._account_reads(loaded_ids)
         if layers is None or layers[0] == 0:
@@ -1801,6 +1804,8 @@ class BlockStore:
             table.inflight[bid] -= 1
             if not ok or self.space.copies_lost != lost:
                 self.space.forget_orphans(np.array([bid], dtype=np.int64))
+            if self.space.read_held:  # slots kept for reads of blocks this Get may have held
+                self.space.free_read_held()
         c = self.counters
         if ok:
             if self.prefetches.outstanding:
@@ -2976,6 +2981,8 @@ class BlockStore:
                     table.nbytes[bid] = size
                     table.set_slots(one, col, slot)
         add_at(table.inflight, bids, -1)  # the put's mark (see ``_commit_new``)
+        if self.space.read_held:
+            self.space.free_read_held()
         table.state[bids] = READY
         for level in self.stack:
             if level.persistent and not level.keyed:

@@ -3076,13 +3076,15 @@ async def test_a_key_deleted_where_its_slot_was_not_freed_then_put_again_comes_b
 
 async def _restarted_with_its_second_chunk_held(make_store, monkeypatch, clock):
     """``_a_key_with_two_rows``, then a store on its L2 as a stop left it, reading its rows
-    two a chunk (the key, 3 others, the key again), started: returned once the first chunk
+    two a chunk (the key, 3 others, the key again), started (its balancer a minute apart):
+    returned once the first chunk
     (the key's first row) is indexed, with (the pool, the key, the medium, that L2, the
     store, the event that lets recovery read its next chunk)."""
     monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
     _, pool, key, medium = await _a_key_with_two_rows(make_store, clock)
     reopened = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=medium)
-    again = make_store(clock, l2=reopened)
+    # No balancer pass in a test's time: what it frees must go without one.
+    again = make_store(clock, l2=reopened, sets=("mover.balance_interval_s=60",))
     first_chunk_in, go_on = asyncio.Event(), asyncio.Event()
     run, chunks_asked = again.transfers.run, []
 
@@ -3151,8 +3153,7 @@ async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_du
     assert not reopened.quarantined
     assert taken in medium.index and medium.index[taken].key == other[0].tobytes()
     assert again.table.slot[again.table.lookup(0, other)[0], 1] == taken != first
-    await again.balance()  # the daemon's balancer frees it on its next pass
-    await asyncio.wait_for(again.space.drain(), 10)
+    await asyncio.wait_for(again.space.drain(), 10)  # freed as the Get's hold ended
     assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [second]
     pool.array[:] = 0
     assert await get(again, pool, key, [11]) == [True]
@@ -3188,6 +3189,62 @@ async def test_regression_a_delete_after_a_held_recovered_slot_left_its_older_ro
     await asyncio.wait_for(after.recovered.wait(), 10)
     assert await get(after, pool, key, [11]) == [False]
     assert [r for r in medium.index.values() if r.key == key[0].tobytes()] == []
+
+
+async def test_regression_a_held_recovered_slot_waited_for_the_balancer_once_its_read_ended(
+    make_store, monkeypatch
+):
+    """A key's earlier recovered row, replaced while a Get held the block, keeps its slot
+    until nobody holds the block (``SpaceManager.read_held``). Once the Get ended, the slot
+    waited for the balancer's next pass (``mover.balance_interval_s``, up to a minute):
+    meanwhile the store was not quiescent (a settled Check waited, or timed out), and a
+    crash brought the earlier row back, with the bytes deleted before the key's last put.
+    It is freed as the Get's hold on the block ends."""
+    clock = Clock()
+    pool, key, medium, _, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
+    getting, read_from, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
+    assert read_from == [first]
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert not again.quiescent()  # the Get holds the block: its earlier slot is kept
+    read_go.set()
+    assert await asyncio.wait_for(getting, 10) == [True]
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert again.quiescent()
+    assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [second]
+    assert again.check() == []
+
+
+async def test_regression_a_failed_read_of_a_replacing_row_left_the_held_older_row_to_come_back(
+    make_store, monkeypatch
+):
+    """A key's earlier recovered row, replaced while a Get held the block, keeps its slot
+    until nobody holds the block. Another Get's read of the later row failed its checksum
+    (the tier dropped that row): once the first Get ended too, the earlier row stayed in the
+    index until the balancer's next pass, and a crash then brought the key back with the
+    bytes deleted before its last put. The earlier row goes as the last hold ends."""
+    clock = Clock()
+    pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
+    getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    reopened.corrupt(second)
+    assert await asyncio.wait_for(get(again, pool, key, [11]), 10) == [False]
+    assert second in reopened.quarantined
+    assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [first]
+    read_go.set()
+    assert await asyncio.wait_for(getting, 10) == [True]
+    await asyncio.wait_for(again.space.drain(), 10)
+    # A crash now (no balancer pass, no stop): the next start must not find the key.
+    assert [r for r in medium.index.values() if r.key == key[0].tobytes()] == []
+    assert again.quiescent()
 
 
 @pytest.mark.parametrize("removes", ["ok", "refused at first"])
