@@ -1231,12 +1231,23 @@ class SpaceManager:
         release: a block's current copy freed (a Delete, an eviction; neither takes a block
         held) must not leave its earlier row behind in the index, where a crash would have
         the next start serve the bytes it held."""
-        if self.read_held:
-            slots = [*slots, *self._idle_read_held(level)]
+        repeats = self._idle_read_held(level) if self.read_held else []
+        return self._free_held(level, slots, holds, repeats)
+
+    def _free_held(
+        self, level: Level, slots: list[int], holds: list[tuple[int, int]], repeats: list[int]
+    ) -> asyncio.Task[bool]:
+        """``free_held`` of ``slots`` and ``repeats``: slots taken out of ``read_held``,
+        rows recovery replaced, counted as ``recovered_repeats_dropped`` once freed, as the
+        others it drops are (``BlockStore._drop_repeated``)."""
+        if repeats:
+            slots = [*slots, *repeats]
 
         async def free() -> bool:
             freed = await self._release_logged(level, slots, "")
             if freed:
+                if repeats:
+                    self.counters.inc("recovered_repeats_dropped", len(repeats), tier=level.label)
                 self.end_holds(level, holds)
                 self.retry_frees(level, now=True)
             else:
@@ -1359,10 +1370,9 @@ class SpaceManager:
         block ends."""
         for kind in list(self.read_held):
             level = self.stack[kind]
-            idle = self._idle_read_held(level)
-            if idle:
+            if idle := self._idle_read_held(level):
                 # No quota holds: the table counts the copies that replaced them.
-                self.free_held(level, idle, [])
+                self._free_held(level, [], [], idle)
 
     def _idle_read_held(self, level: Level) -> list[int]:
         """Take out of ``read_held`` the slots of ``level`` whose blocks nobody holds now (no

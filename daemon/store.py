@@ -2866,14 +2866,19 @@ class BlockStore:
         """Delete the rows (and free the slots) of recovered copies of a key that ``level``
         indexed from another row, written later (a delete or eviction whose free the tier
         refused, then a put of the key again); counted once freed, and where the tier
-        refuses, tried again (``free_held``)."""
-        if not len(slots):
+        refuses, tried again (``free_held``). The log line counts too those whose blocks
+        requests hold (``SpaceManager.read_held``), freed and counted as those end."""
+        held = len(self.space.read_held.get(level.kind, ()))
+        if not len(slots) and not held:
             return
         log.warning(
-            "%s: %d recovered rows repeat a key written later in another slot; dropping them",
+            "%s: %d recovered rows repeat a key written later in another slot; dropping them%s",
             level.label,
-            len(slots),
+            len(slots) + held,
+            f" ({held} once the requests reading their blocks end)" if held else "",
         )
+        if not len(slots):
+            return
         # Through ``free_held`` (no quota holds: the copies never joined the table), so that
         # a free the tier refuses (its index locked) is tried again, as every other is.
         if await asyncio.shield(self.space.free_held(level, slots.tolist(), [])):

@@ -3247,6 +3247,32 @@ async def test_regression_a_failed_read_of_a_replacing_row_left_the_held_older_r
     assert again.quiescent()
 
 
+async def test_regression_a_held_recovered_slot_was_freed_uncounted_as_a_dropped_repeat(
+    make_store, monkeypatch, caplog
+):
+    """A key's earlier recovered row, replaced while a Get held the block, is dropped once
+    nobody holds the block. Recovery's log line and ``recovered_repeats_dropped`` (every
+    replaced row, README) counted only the rows dropped at its end: this one was freed
+    unsaid and uncounted."""
+    clock = Clock()
+    pool, key, medium, _, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        go_on.set()
+        await asyncio.wait_for(again.recovered.wait(), 10)
+    said = [r.getMessage() for r in caplog.records if "recovered rows" in r.getMessage()]
+    read_go.set()
+    assert await asyncio.wait_for(getting, 10) == [True]
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert [line.split(";")[0] for line in said] == [
+        "L2: 1 recovered rows repeat a key written later in another slot"
+    ]
+    assert len([r for r in medium.index.values() if r.key == key[0].tobytes()]) == 1
+    assert again.counters.get("recovered_repeats_dropped", tier="L2") == 1
+
+
 @pytest.mark.parametrize("removes", ["ok", "refused at first"])
 async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
     make_store, monkeypatch, removes
