@@ -3125,6 +3125,24 @@ async def _a_get_held_at_its_l2_read(store, monkeypatch, pool, key):
     return getting, read_from, read_go
 
 
+async def _recovered_held(make_store, monkeypatch, clock):
+    """``_restarted_with_its_second_chunk_held``, a Get of the key held at its L2 read of the
+    key's first row (``_a_get_held_at_its_l2_read``), then recovery let end: the second row
+    replaced the block's copy, the first row's slot is kept for the Get. Returns (the pool,
+    the key, the medium, that L2, the store, the slots of the key's rows (first, second),
+    the Get's task, the event that lets it read)."""
+    pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
+    getting, read_from, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
+    assert read_from == [first]
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    await asyncio.wait_for(again.space.drain(), 10)
+    return pool, key, medium, reopened, again, (first, second), getting, read_go
+
+
 async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_durable_put(
     make_store, monkeypatch
 ):
@@ -3135,16 +3153,11 @@ async def test_regression_a_replaced_recovered_slot_freed_under_a_read_lost_a_du
     deleted that put's row: answered persisted, gone after a restart. The slot is freed once
     nobody holds the block."""
     clock = Clock()
-    pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
+    pool, key, medium, reopened, again, rows, getting, read_go = await _recovered_held(
         make_store, monkeypatch, clock
     )
+    first, second = rows
     put_last = page_bytes(pool, 5)
-    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
-    getting, read_from, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
-    assert read_from == [first]
-    go_on.set()
-    await asyncio.wait_for(again.recovered.wait(), 10)
-    await asyncio.wait_for(again.space.drain(), 10)
     other = keys(1)
     assert (await put(again, pool, other, pages=[6], durable=True))[1] == [True]
     taken = int(again.table.slot[again.table.lookup(0, other)[0], 1])
@@ -3170,12 +3183,9 @@ async def test_regression_a_delete_after_a_held_recovered_slot_left_its_older_ro
     until the balancer's next pass: a crash then, and the next start served the key again,
     with the bytes deleted before that put. The earlier row goes with the Delete's free."""
     clock = Clock()
-    pool, key, medium, _, again, go_on = await _restarted_with_its_second_chunk_held(
+    pool, key, medium, _, again, _, getting, read_go = await _recovered_held(
         make_store, monkeypatch, clock
     )
-    getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
-    go_on.set()
-    await asyncio.wait_for(again.recovered.wait(), 10)
     read_go.set()
     assert await asyncio.wait_for(getting, 10) == [True]
     assert (await again.delete(0, key)).deleted == 1
@@ -3201,15 +3211,9 @@ async def test_regression_a_held_recovered_slot_waited_for_the_balancer_once_its
     crash brought the earlier row back, with the bytes deleted before the key's last put.
     It is freed as the Get's hold on the block ends."""
     clock = Clock()
-    pool, key, medium, _, again, go_on = await _restarted_with_its_second_chunk_held(
+    _, key, medium, _, again, (_, second), getting, read_go = await _recovered_held(
         make_store, monkeypatch, clock
     )
-    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
-    getting, read_from, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
-    assert read_from == [first]
-    go_on.set()
-    await asyncio.wait_for(again.recovered.wait(), 10)
-    await asyncio.wait_for(again.space.drain(), 10)
     assert not again.quiescent()  # the Get holds the block: its earlier slot is kept
     read_go.set()
     assert await asyncio.wait_for(getting, 10) == [True]
@@ -3228,13 +3232,10 @@ async def test_regression_a_failed_read_of_a_replacing_row_left_the_held_older_r
     index until the balancer's next pass, and a crash then brought the key back with the
     bytes deleted before its last put. The earlier row goes as the last hold ends."""
     clock = Clock()
-    pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
+    pool, key, medium, reopened, again, rows, getting, read_go = await _recovered_held(
         make_store, monkeypatch, clock
     )
-    first, second = sorted(r.slot for r in medium.index.values() if r.key == key[0].tobytes())
-    getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
-    go_on.set()
-    await asyncio.wait_for(again.recovered.wait(), 10)
+    first, second = rows
     reopened.corrupt(second)
     assert await asyncio.wait_for(get(again, pool, key, [11]), 10) == [False]
     assert second in reopened.quarantined
@@ -3255,13 +3256,10 @@ async def test_regression_a_held_recovered_slot_was_freed_uncounted_as_a_dropped
     replaced row, README) counted only the rows dropped at its end: this one was freed
     unsaid and uncounted."""
     clock = Clock()
-    pool, key, medium, _, again, go_on = await _restarted_with_its_second_chunk_held(
-        make_store, monkeypatch, clock
-    )
-    getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
     with caplog.at_level(logging.WARNING, logger=store_module.__name__):
-        go_on.set()
-        await asyncio.wait_for(again.recovered.wait(), 10)
+        _, key, medium, _, again, _, getting, read_go = await _recovered_held(
+            make_store, monkeypatch, clock
+        )
     said = [r.getMessage() for r in caplog.records if "recovered rows" in r.getMessage()]
     read_go.set()
     assert await asyncio.wait_for(getting, 10) == [True]
