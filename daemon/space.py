@@ -1371,8 +1371,10 @@ class SpaceManager:
         for kind in list(self.read_held):
             level = self.stack[kind]
             if idle := self._idle_read_held(level):
-                # No quota holds: the table counts the copies that replaced them.
-                self._free_held(level, [], [], idle)
+                # No quota holds: the table counts the copies that replaced them. Outside any
+                # request's log context: the slots are recovery's, not those of the request
+                # whose hold ended last (its line is the daemon's, as ``retry_frees``' is).
+                contextvars.Context().run(self._free_held, level, [], [], idle)
 
     def _idle_read_held(self, level: Level) -> list[int]:
         """Take out of ``read_held`` the slots of ``level`` whose blocks nobody holds now (no

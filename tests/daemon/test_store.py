@@ -3271,6 +3271,38 @@ async def test_regression_a_held_recovered_slot_was_freed_uncounted_as_a_dropped
     assert again.counters.get("recovered_repeats_dropped", tier="L2") == 1
 
 
+async def test_regression_a_held_recovered_slot_free_logged_under_the_get_that_held_it(
+    make_store, monkeypatch, caplog
+):
+    """A key's earlier recovered row, replaced while a Get held the block, is freed as the
+    last hold on the block ends: in a task that took the context of the request whose hold
+    ended, so where the tier refused that free, its line ("slots could not be freed": a
+    slot of recovery's) carried that Get's ids. The free is the daemon's own and names
+    none, as a retried free does."""
+    clock = Clock()
+    pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
+        make_store, monkeypatch, clock
+    )
+    with logs.request_context("req-get", "s-get", 3):
+        getting, _, read_go = await _a_get_held_at_its_l2_read(again, monkeypatch, pool, key)
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    await asyncio.wait_for(again.space.drain(), 10)
+    reopened.fail_removes = True
+    caplog.clear()
+    caplog.handler.addFilter(logs.RequestContextFilter())
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon.space"):
+        read_go.set()
+        assert await asyncio.wait_for(getting, 10) == [True]
+        await asyncio.wait_for(again.space.drain(), 10)
+    (line,) = [r for r in caplog.records if "could not be freed" in r.getMessage()]
+    assert (line.request_id, line.session_id, line.pool_id) == ("", "", 0)
+    reopened.fail_removes = False
+    again.space.retry_frees(now=True)
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert len([r for r in medium.index.values() if r.key == key[0].tobytes()]) == 1
+
+
 @pytest.mark.parametrize("removes", ["ok", "refused at first"])
 async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
     make_store, monkeypatch, removes
