@@ -543,16 +543,12 @@ class AsyncClient:
         request = await self._registration_request(binding)
         try:
             resp = await self._send_registration(request)
-        except UnauthenticatedError:
-            # Sent again in a new session (``_invoke``) with the ticket that the first run
-            # spent: where the session ended as the memory was mapped, the daemon gives the
-            # ticket back if it ended the session itself (a reload), not if the client did
-            # (``_give_up_session`` cancels the session's stream). Made again, with a new one.
-            # So is one whose ticket expired while the call waited for a slot (a ticket lives
-            # ``TICKET_TTL_S``, 10 s; a call may wait its whole timeout). A session refused (a
-            # wrong or revoked token) raises from ``_registration_request`` before any ticket
-            # is fetched, so no try here leaves one unused in the daemon.
-            if not binding.hands_over_fd:
+        except UnauthenticatedError as e:
+            # A ticket refused, not a session (``PoolBinding.registers_again``): a session
+            # refused first raises from ``_registration_request`` before any ticket is
+            # fetched, one refused as the request was sent again in a new session (a token
+            # revoked meanwhile) from ``_invoke``.
+            if not binding.registers_again(e):
                 raise
             request = await self._registration_request(binding)
             resp = await self._send_registration(request)

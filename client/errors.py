@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from kvtier.proto.wire import ANSWERED_KEY, DRAINING_KEY, SESSION_GONE_KEY
+from kvtier.proto.wire import ANSWERED_KEY, DRAINING_KEY, SESSION_GONE_KEY, TICKET_REFUSED_KEY
 
 
 class KvtierError(Exception):
@@ -48,9 +48,12 @@ class NotFoundError(KvtierError):
 
 
 class UnauthenticatedError(KvtierError):
-    """The request had no valid credential: a missing, spent or expired ticket."""
+    """The request had no valid credential: a missing, spent or expired ticket, or a token
+    no tenant has; ``ticket_refused``: the ticket it carried (unknown, spent or expired),
+    where a new one may do."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+    ticket_refused = False
 
 
 class PermissionDeniedError(KvtierError):
@@ -177,6 +180,8 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
         error.draining = _has_key(err, DRAINING_KEY)
     elif isinstance(error, NotFoundError):
         error.session_gone = _has_key(err, SESSION_GONE_KEY)
+    elif isinstance(error, UnauthenticatedError):
+        error.ticket_refused = _has_key(err, TICKET_REFUSED_KEY)
     return error
 
 
@@ -230,7 +235,7 @@ def refused_stream(err: grpc.RpcError) -> bool:
 def _has_key(err: grpc.RpcError, key: str) -> bool:
     """Whether the daemon marked this status with trailing metadata ``key`` (``ANSWERED_KEY``:
     it sent the status itself; ``SESSION_GONE_KEY``: the session the call named is not
-    open)."""
+    open; ``TICKET_REFUSED_KEY``: the ticket the call carried was no good)."""
     try:
         trailing = err.trailing_metadata() or ()  # type: ignore[attr-defined]
     except Exception:  # an error that is no call: no metadata

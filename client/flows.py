@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.cuda import CudaIpcExport
-from kvtier.client.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from kvtier.client.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.types import PutStatus, build_request, checked_type, sequence_len, shown
@@ -63,6 +68,17 @@ class PoolBinding:
     @property
     def hands_over_fd(self) -> bool:
         return self.memfd >= 0
+
+    def registers_again(self, err: UnauthenticatedError) -> bool:
+        """Whether a registration refused with ``err`` is made again, with a new ticket (the
+        clients' ``_register``): only where the daemon refused the memory's ticket
+        (``ticket_refused``), which expired while the call waited for a call slot (a ticket
+        lives ``TICKET_TTL_S``, 10 s; a call may wait its whole timeout), or which the
+        first run spent before it was sent again in a new session (``SendAgain``): the
+        daemon gives it back where it ended the session itself (a reload), not where the
+        client did (a given-up session). A session refused (a wrong or revoked token) would
+        only be refused again, one more OpenSession and credential ticket spent."""
+        return self.hands_over_fd and err.ticket_refused
 
     def handed_fd(self) -> contextlib.AbstractContextManager[int]:
         """The descriptor to hand to the daemon, a duplicate of the memory's, open for the

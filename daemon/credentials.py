@@ -63,7 +63,7 @@ from kvtier.daemon.errors import (
     InvalidArgument,
     KvtierError,
     ResourceExhausted,
-    Unauthenticated,
+    TicketRefused,
 )
 from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.sessions import PeerCred
@@ -209,19 +209,19 @@ class TicketBook:
         return secret
 
     def redeem(self, secret: bytes, kind: TicketKind) -> Ticket:
-        """Spend a ticket; raises Unauthenticated if it is unknown, spent, expired or of
-        another kind (the ticket is spent in every case)."""
+        """Spend a ticket; raises TicketRefused if it is unknown, spent, expired or of another
+        kind (the ticket is spent in every case)."""
         self.expire()
         ticket = self._tickets.pop(ticket_digest(secret), None) if len(secret) == 32 else None
         if ticket is None:
-            raise Unauthenticated(
+            raise TicketRefused(
                 "the credential ticket is unknown, already used or expired; ask the "
                 "credential socket for a new one"
             )
         self._forget(ticket)
         if ticket.kind is not kind:
             self._drop_fd(ticket)
-            raise Unauthenticated(
+            raise TicketRefused(
                 f"a {ticket.kind.value.lower()} ticket cannot be used for a {kind.value.lower()}"
             )
         return ticket

@@ -33,6 +33,12 @@ class Unauthenticated(KvtierError):
     """The request carries no valid credential (a missing, spent or expired ticket)."""
 
 
+class TicketRefused(Unauthenticated):
+    """The credential ticket the request carries is unknown, spent, expired or of another
+    kind, whatever its session or token (see ``proto.wire.TICKET_REFUSED_KEY``): a new
+    ticket may do."""
+
+
 class PermissionDenied(KvtierError):
     """The caller may not use what it names (another session's pool, another user's memory)."""
 

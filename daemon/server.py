@@ -81,6 +81,7 @@ from kvtier.daemon.errors import (
     PermissionDenied,
     ResourceExhausted,
     SessionGone,
+    TicketRefused,
     Unauthenticated,
     Unavailable,
 )
@@ -122,6 +123,7 @@ from kvtier.proto.wire import (
     DRAINING_KEY,
     DTYPE_NAMES,
     SESSION_GONE_KEY,
+    TICKET_REFUSED_KEY,
     tier_enum,
 )
 from kvtier.tiers.sizes import counted
@@ -224,6 +226,8 @@ async def abort_with(context: grpc.aio.ServicerContext, error: KvtierError) -> N
             trailing += ((DRAINING_KEY, "1"),)
     elif isinstance(error, SessionGone):
         trailing = ((SESSION_GONE_KEY, "1"),)
+    elif isinstance(error, TicketRefused):
+        trailing = ((TICKET_REFUSED_KEY, "1"),)
     await context.abort(code, str(error), trailing_metadata=trailing)
     raise AssertionError("unreachable: abort raises")
 

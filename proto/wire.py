@@ -35,6 +35,13 @@ answers before anything of the request is done: the client may open another sess
 send the request again. The session's stream ends too, but its client may make a call
 before it sees that end."""
 
+TICKET_REFUSED_KEY = "kvtier-ticket-refused"
+"""Trailing metadata on an UNAUTHENTICATED status for a credential ticket that is unknown,
+spent, expired or of another kind, not for a session or token refused: a pool's
+registration whose ticket expired while it waited (or that the daemon spent in a session
+ended) may be made again with a new ticket, where a token refused would only be refused
+again."""
+
 DRAINING_KEY = "kvtier-draining"
 """Trailing metadata on an UNAVAILABLE status (with ``ANSWERED_KEY``) that turns a new
 session away because the daemon is draining: it runs, unlike one that is stopping."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,6 +46,7 @@ from kvtier.daemon import pools as pools_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.credentials import TICKET_TTL_S
 from kvtier.daemon.errors import FailedPrecondition, NotFound
+from kvtier.daemon.reload import Reloader
 from kvtier.daemon.server import Daemon
 from kvtier.daemon.sessions import PeerCred
 from kvtier.proto import kvtier_pb2 as pb
@@ -161,6 +164,18 @@ async def running_daemon(held: HeldMaps | HeldCloses, *overrides: str) -> AsyncI
         if not daemon.servicer.closing.is_set():
             await daemon.stop()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def tenant_tokens(folder: Path, *names: str) -> tuple[dict[str, str], str]:
+    """(each tenant's token file, the ``tenants`` list of a config naming them) of tenants
+    ``names``, each bound by a token written in ``folder``."""
+    tokens = {}
+    for name in names:
+        path = folder / f"{name}.token"
+        path.write_text(f"{name}-secret-0123456789")
+        path.chmod(0o600)
+        tokens[name] = str(path)
+    return tokens, ", ".join(f"{{name: {n}, token_file: {p}}}" for n, p in tokens.items())
 
 
 def fd_request(client: Client, shm: SharedMemoryPool) -> pb.RegisterPoolRequest:
@@ -1077,13 +1092,7 @@ async def test_regression_a_tenants_flood_of_registrations_held_every_other_tena
     uses and unregisters a pool."""
     held = HeldLargeMaps(pools_module._map)
     monkeypatch.setattr(pools_module, "_map", held)
-    tokens = {}
-    for name in ("flood", "other"):
-        path = tmp_path / f"{name}.token"
-        path.write_text(f"{name}-secret-0123456789")
-        path.chmod(0o600)
-        tokens[name] = str(path)
-    tenants = ", ".join(f"{{name: {n}, token_file: {p}}}" for n, p in tokens.items())
+    tokens, tenants = tenant_tokens(tmp_path, "flood", "other")
     small = PoolLayout.staging(
         num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=4096, kv_count=1, dtype="uint8"
     )
@@ -1159,13 +1168,7 @@ async def test_regression_one_tenant_could_take_every_pool_mapping_and_refuse_al
     RESOURCE_EXHAUSTED. A tenant holds at most ``server.max_pools_per_tenant`` mappings:
     past its own it is refused naming that key, and another tenant still registers."""
     held.release.set()
-    tokens = {}
-    for name in ("flood", "other"):
-        path = tmp_path / f"{name}.token"
-        path.write_text(f"{name}-secret-0123456789")
-        path.chmod(0o600)
-        tokens[name] = str(path)
-    tenants = ", ".join(f"{{name: {n}, token_file: {p}}}" for n, p in tokens.items())
+    tokens, tenants = tenant_tokens(tmp_path, "flood", "other")
     limits = ("server.max_pools=4", "server.max_pools_per_tenant=3")
 
     async with running_daemon(held, f"tenants=[{tenants}]", *limits) as daemon:
@@ -1268,3 +1271,41 @@ async def test_regression_an_async_register_pool_whose_ticket_expired_waiting_fo
 
         await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
         assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
+
+
+async def test_regression_an_async_register_pool_whose_token_was_revoked_opened_two_sessions(
+    held, tmp_path
+):
+    """AsyncClient made a memfd pool's registration again, with a new ticket, on any
+    UNAUTHENTICATED: where a reload revoked the token (removed its tenant) after the ticket
+    was fetched, the registration sent again in a new session (``_invoke``) was refused as
+    that session's opening, and the retry opened another, refused too: one more
+    OpenSession and credential ticket for an answer known already. The daemon marks a
+    ticket it refuses (``TICKET_REFUSED_KEY``), and only that registration is made again."""
+    held.release.set()
+    tokens, tenants = tenant_tokens(tmp_path, "bob", "other")
+    async with running_daemon(held, f"tenants=[{tenants}]") as daemon:
+        kept = tuple(t for t in daemon.config.tenants if t.name != "bob")
+        reloader = Reloader(daemon, lambda: dataclasses.replace(daemon.config, tenants=kept))
+        loop = asyncio.get_running_loop()
+
+        async def revoke() -> None:
+            assert reloader.reload().applied == ["tenants: removed bob"]
+
+        async def engine_side(address: str) -> None:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                async with AsyncClient(address, token_file=tokens["bob"]) as engine:
+                    await engine.session()
+                    send = engine._send_registration
+
+                    async def revoked_first(request: Any) -> Any:
+                        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(revoke(), loop))
+                        return await send(request)
+
+                    engine._send_registration = revoked_first  # type: ignore[method-assign]
+                    with pytest.raises(UnauthenticatedError, match="token"):
+                        await engine.register_pool(shm, LAYOUT)
+
+        await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
+        assert daemon.store.counters.get("sessions_refused", reason="tenant") == 1
+        assert len(daemon.pools) == 0
