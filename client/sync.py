@@ -45,6 +45,7 @@ from kvtier.client.errors import (
     NotFoundError,
     PermissionDeniedError,
     Resends,
+    UnauthenticatedError,
     UnavailableError,
     closed_error,
     from_rpc_error,
@@ -1050,6 +1051,13 @@ class Client:
             # The given-up channel's close ended it (``cut_off_error``): made again, in the
             # new session, with a new ticket (sent again, a memfd's ticket that the first run
             # spent was UNAUTHENTICATED). A pool the first run made goes with the old session.
+            request, resp = self._send_registration(binding)
+        except UnauthenticatedError as e:
+            # Its ticket refused, not its session (``PoolBinding.registers_again``): expired
+            # while the call waited for a call slot, or spent by a first run sent again in
+            # a new session. Made again, with a new one.
+            if not binding.registers_again(e):
+                raise
             request, resp = self._send_registration(binding)
         with self._ids_lock:
             binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes

@@ -1273,6 +1273,40 @@ async def test_regression_an_async_register_pool_whose_ticket_expired_waiting_fo
         assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
 
 
+async def test_regression_a_register_pool_whose_ticket_expired_waiting_for_a_slot_failed(held):
+    """The blocking client fetched a memfd pool's ticket before its RegisterPool waited for a
+    call slot (``max_calls_open``): a wait past the ticket's life (``TICKET_TTL_S``, 10 s,
+    under a timeout of 30 s) sent an expired ticket, refused UNAUTHENTICATED, and
+    register_pool failed. As AsyncClient's (5531a57), the registration is made again with a
+    new ticket where the daemon refused the ticket."""
+    held.release.set()
+    async with running_daemon(held) as daemon:
+        age = _age_tickets(daemon)
+
+        def engine_side(address: str) -> None:
+            with (
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+                Client(address, max_calls_open=1) as engine,
+                ThreadPoolExecutor(1) as pool,
+            ):
+                assert engine.session_id
+                slots = engine.call_slots
+                assert slots.acquire(0)
+                try:
+                    registering = pool.submit(engine.register_pool, shm, LAYOUT)
+                    deadline = time.monotonic() + WAIT_S
+                    while slots.waiting == 0:
+                        assert time.monotonic() < deadline, "the registration never queued"
+                        time.sleep(0.005)
+                    age()
+                finally:
+                    slots.release()
+                engine.unregister_pool(registering.result(WAIT_S).pool_id)
+
+        await asyncio.to_thread(engine_side, daemon.addresses[0])
+        assert len(daemon.tickets) == 0 and len(daemon.pools) == 0
+
+
 async def test_regression_an_async_register_pool_whose_token_was_revoked_opened_two_sessions(
     held, tmp_path
 ):
