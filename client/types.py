@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from kvtier import paths
@@ -332,10 +333,10 @@ _FIELD_PREFIX = re.compile(r"^Field [\w.]+: ")
 
 def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs) -> M:
     """``message(**fields)``, or InvalidArgumentError for a value protobuf refuses: a wrong
-    type, an integer beyond its field's range ("Put: pages: value out of range: -1"), None
-    (which protobuf takes as "unset": ``release(None)`` asked the daemon to release lease 0,
-    ``put(None, ...)`` named pool 0, and it answered NotFound for ids the caller never
-    gave), a key that is not ``KEY_BYTES`` long or an empty key list (both of which the
+    type, an integer beyond its field's range ("Put: pages: value out of range: -1 (a uint32:
+    0 to 4294967295)"), None (which protobuf takes as "unset": ``release(None)`` asked the
+    daemon to release lease 0, ``put(None, ...)`` named pool 0, and it answered NotFound for
+    ids the caller never gave), a key that is not ``KEY_BYTES`` long or an empty key list (both of which the
     daemon refuses too).
 
     Every request the clients build goes through here. Protobuf checks each value as it
@@ -531,11 +532,46 @@ def _field_problem(message: Any, name: str, value: object) -> str | None:
         if repeated:  # protobuf names the item's type
             return f"{name}: {_protobuf_text(e)}"
         return f"{name}: expected {type(default).__name__}, not {type(value).__name__}"
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:
+        # An integer out of its field's range, in protobuf's words but for what the field
+        # holds: protobuf's own text shows the value, and for one past 4,300 digits it was
+        # Python's refusal to print it ("Exceeds the limit (4300 digits) ...").
+        field = message.DESCRIPTOR.fields_by_name[name]
+        if (held := _INT_FIELDS.get(field.cpp_type)) is not None:
+            what, low, high = held
+            items = value if repeated and isinstance(value, Iterable) else (value,)
+            for item in items:
+                number = _as_int(item)
+                if number is not None and not low <= number <= high:
+                    return f"{name}: value out of range: {shown(number)} ({what})"
         return f"{name}: {_protobuf_text(e)}"
-    except OverflowError:  # in protobuf's words for an integer field's
-        return f"{name}: value out of range: {value!r}"
     return None
+
+
+# What each integer field holds, as its refusals say it (an enum is an int32 on the wire; a
+# bool field takes any C long, and holds true or false).
+_INT_FIELDS = {
+    FieldDescriptor.CPPTYPE_INT32: ("an int32: -2147483648 to 2147483647", -(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_ENUM: ("an int32: -2147483648 to 2147483647", -(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_UINT32: ("a uint32: 0 to 4294967295", 0, 2**32 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (
+        "an int64: -9223372036854775808 to 9223372036854775807",
+        -(2**63),
+        2**63 - 1,
+    ),
+    FieldDescriptor.CPPTYPE_UINT64: ("a uint64: 0 to 18446744073709551615", 0, 2**64 - 1),
+    FieldDescriptor.CPPTYPE_BOOL: ("a bool: True or False", -(2**63), 2**63 - 1),
+}
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as protobuf reads an integer (``__index__``, not a bool); None otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _protobuf_text(error: Exception) -> str:

@@ -57,45 +57,45 @@ MAX_BATCH = 2
 Call = Callable[[Any, Any], Any]
 CASES: list[tuple[str, Call, str]] = [
     # block calls
-    ("lookup-negative-lease", lambda c, p: c.lookup([KEY], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1$"),
-    ("lookup-huge-lease", lambda c, p: c.lookup([KEY], lease_ms=2**40), r"^Lookup: lease_ms: value out of range: 1099511627776$"),
+    ("lookup-negative-lease", lambda c, p: c.lookup([KEY], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
+    ("lookup-huge-lease", lambda c, p: c.lookup([KEY], lease_ms=2**40), r"^Lookup: lease_ms: value out of range: 1099511627776 \(a uint32: 0 to 4294967295\)$"),
     ("lookup-float-lease", lambda c, p: c.lookup([KEY], lease_ms=1.5), r"^Lookup: lease_ms: expected int, not float$"),
     ("lookup-str-key", lambda c, p: c.lookup([KEY, "key"]), r"^Lookup: keys: .*\bstr\b"),
     ("lookup-none-key", lambda c, p: c.lookup([KEY, None]), r"^Lookup: keys: .*NoneType"),
     ("lookup-keys-not-a-list", lambda c, p: c.lookup(5), r"^Lookup: keys: expected a sequence, not int$"),
     ("lookup-one-key-not-a-list", lambda c, p: c.lookup(KEY), r"^Lookup: keys: expected a sequence, not bytes$"),
     ("lookup-int-namespace", lambda c, p: c.lookup([KEY], namespace=5), r"^Lookup: namespace: expected str, not int$"),
-    ("put-negative-page", lambda c, p: c.put(p.pool_id, [KEY], [-1]), r"^Put: pages: value out of range: -1$"),
-    ("put-huge-page", lambda c, p: c.put(p.pool_id, [KEY], [2**40]), r"^Put: pages: value out of range: 1099511627776$"),
+    ("put-negative-page", lambda c, p: c.put(p.pool_id, [KEY], [-1]), r"^Put: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
+    ("put-huge-page", lambda c, p: c.put(p.pool_id, [KEY], [2**40]), r"^Put: pages: value out of range: 1099511627776 \(a uint32: 0 to 4294967295\)$"),
     ("put-float-page", lambda c, p: c.put(p.pool_id, [KEY], [1.5]), r"^Put: pages: .*float"),
     ("put-str-key", lambda c, p: c.put(p.pool_id, ["key"], [0]), r"^Put: keys: .*\bstr\b"),
     ("put-none-key", lambda c, p: c.put(p.pool_id, [None], [0]), r"^Put: keys: .*NoneType"),
-    ("put-negative-pool", lambda c, p: c.put(-1, [KEY], [0]), r"^Put: pool_id: value out of range: -1$"),
+    ("put-negative-pool", lambda c, p: c.put(-1, [KEY], [0]), r"^Put: pool_id: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
     ("put-str-parent", lambda c, p: c.put(p.pool_id, [KEY], [0], parent_key="k"), r"^Put: parent_key: expected bytes, not str$"),
-    ("get-negative-page", lambda c, p: c.get(p.pool_id, [KEY], [-1]), r"^Get: pages: value out of range: -1$"),
+    ("get-negative-page", lambda c, p: c.get(p.pool_id, [KEY], [-1]), r"^Get: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
     ("get-float-page", lambda c, p: c.get(p.pool_id, [KEY], [0.0]), r"^Get: pages: .*float"),
     ("put-too-few-pages", lambda c, p: c.put(p.pool_id, KEYS, [0, 1]), r"^Put: 2 pages for 3 keys$"),
     ("put-too-many-pages", lambda c, p: c.put(p.pool_id, [KEY], [0, 1]), r"^Put: 2 pages for 1 keys$"),
     ("get-too-few-pages", lambda c, p: c.get(p.pool_id, KEYS, [0]), r"^Get: 1 pages for 3 keys$"),
-    ("get-negative-lease", lambda c, p: c.get(p.pool_id, [KEY], [0], lease_id=-1), r"^Get: lease_id: value out of range: -1$"),
-    ("release-negative-lease", lambda c, p: c.release(-1), r"^Release: lease_id: value out of range: -1$"),
-    ("release-huge-lease", lambda c, p: c.release(2**64), r"^Release: lease_id: value out of range: 18446744073709551616$"),
-    ("prefetch-negative-deadline", lambda c, p: c.prefetch([KEY], deadline_ms=-1), r"^Prefetch: deadline_ms: value out of range: -1$"),
-    ("prefetch-huge-priority", lambda c, p: c.prefetch([KEY], priority=2**31), r"^Prefetch: priority: value out of range: 2147483648$"),
+    ("get-negative-lease", lambda c, p: c.get(p.pool_id, [KEY], [0], lease_id=-1), r"^Get: lease_id: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
+    ("release-negative-lease", lambda c, p: c.release(-1), r"^Release: lease_id: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
+    ("release-huge-lease", lambda c, p: c.release(2**64), r"^Release: lease_id: value out of range: 18446744073709551616 \(a uint64: 0 to 18446744073709551615\)$"),
+    ("prefetch-negative-deadline", lambda c, p: c.prefetch([KEY], deadline_ms=-1), r"^Prefetch: deadline_ms: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
+    ("prefetch-huge-priority", lambda c, p: c.prefetch([KEY], priority=2**31), r"^Prefetch: priority: value out of range: 2147483648 \(an int32: -2147483648 to 2147483647\)$"),
     ("prefetch-str-key", lambda c, p: c.prefetch(["key"]), r"^Prefetch: keys: .*\bstr\b"),
     ("delete-none-key", lambda c, p: c.delete([None]), r"^Delete: keys: .*NoneType"),
     ("delete-int-tenant", lambda c, p: c.delete([KEY], tenant=5), r"^Delete: tenant: expected str, not int$"),
     ("evict-str-key", lambda c, p: c.evict(["key"], "L1"), r"^Evict: keys: .*\bstr\b"),
     ("evict-unknown-tier", lambda c, p: c.evict([KEY], "L9"), r"^Evict: tier: unknown tier 'L9'"),
     ("evict-float-tier", lambda c, p: c.evict([KEY], 1.5), r"^Evict: tier: expected int, not float$"),
-    ("unregister-negative-pool", lambda c, p: c.unregister_pool(-1), r"^UnregisterPool: pool_id: value out of range: -1$"),
+    ("unregister-negative-pool", lambda c, p: c.unregister_pool(-1), r"^UnregisterPool: pool_id: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
     ("check-negative-settle", lambda c, p: c.check(settle_s=-1), r"^Check: settle_s must be a number >= 0 \(got -1\)$"),
     ("check-nan-settle", lambda c, p: c.check(settle_s=float("nan")), r"^Check: settle_s must be a number >= 0 \(got nan\)$"),
     ("check-str-settle", lambda c, p: c.check(settle_s="1"), r"^Check: settle_s must be a number >= 0 \(got '1'\)$"),
     ("check-none-settle", lambda c, p: c.check(settle_s=None), r"^Check: settle_s must be a number >= 0 \(got None\)$"),
     ("drain-str-resume", lambda c, p: c.drain(resume="yes"), r"^Drain: resume: expected bool, not str$"),
     ("quarantine-str-release", lambda c, p: c.quarantine(release="yes"), r"^Quarantine: release: expected bool, not str$"),
-    ("quarantine-negative-slot", lambda c, p: c.quarantine(release=True, slots=[-1]), r"^Quarantine: slots: value out of range: -1$"),
+    ("quarantine-negative-slot", lambda c, p: c.quarantine(release=True, slots=[-1]), r"^Quarantine: slots: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
     ("quarantine-nan-timeout", lambda c, p: c.quarantine(timeout_s=float("nan")), r"^Quarantine: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("health-int-service", lambda c, p: c.health(5), r"^Health: service: expected str, not int$"),
     # None is no "unset": protobuf took it as the field's default (lease 0, pool 0, no pin)
@@ -110,10 +110,14 @@ CASES: list[tuple[str, Call, str]] = [
     ("delete-none-tenant", lambda c, p: c.delete([KEY], tenant=None), r"^Delete: tenant: expected str, not NoneType$"),
     ("drain-none-resume", lambda c, p: c.drain(resume=None), r"^Drain: resume: expected bool, not NoneType$"),
     # a bool field given an int past C's long: protobuf's OverflowError, not a ValueError
-    ("lookup-huge-pin", lambda c, p: c.lookup([KEY], pin=2**64), r"^Lookup: pin: value out of range: 18446744073709551616$"),
-    ("put-huge-durable", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=-(2**70)), r"^Put: durable: value out of range: -1180591620717411303424$"),
-    ("submit-save-huge-durable", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2])], durable=2**64), r"^Put: durable: value out of range: 18446744073709551616$"),
-    ("drain-huge-resume", lambda c, p: c.drain(resume=2**64), r"^Drain: resume: value out of range: 18446744073709551616$"),
+    ("lookup-huge-pin", lambda c, p: c.lookup([KEY], pin=2**64), r"^Lookup: pin: value out of range: 18446744073709551616 \(a bool: True or False\)$"),
+    ("put-huge-durable", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=-(2**70)), r"^Put: durable: value out of range: -1180591620717411303424 \(a bool: True or False\)$"),
+    ("submit-save-huge-durable", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2])], durable=2**64), r"^Put: durable: value out of range: 18446744073709551616 \(a bool: True or False\)$"),
+    ("drain-huge-resume", lambda c, p: c.drain(resume=2**64), r"^Drain: resume: value out of range: 18446744073709551616 \(a bool: True or False\)$"),
+    ("release-lease-past-4300-digits", lambda c, p: c.release(10**5000), r"^Release: lease_id: value out of range: an int of 16610 bits \(a uint64: 0 to 18446744073709551615\)$"),
+    ("put-page-past-4300-digits", lambda c, p: c.put(p.pool_id, [KEY], [-(10**5000)]), r"^Put: pages: value out of range: a negative int of 16610 bits \(a uint32: 0 to 4294967295\)$"),
+    ("lookup-pin-past-4300-digits", lambda c, p: c.lookup([KEY], pin=10**5000), r"^Lookup: pin: value out of range: an int of 16610 bits \(a bool: True or False\)$"),
+    ("store-keys-page-past-4300-digits", lambda c, p: c.store_keys(p, KEYS, [0, 1, 10**5000]), r"^Put: pages: value out of range: an int of 16610 bits \(a uint32: 0 to 4294967295\)$"),
     ("unregister-none-pool", lambda c, p: c.unregister_pool(None), r"^UnregisterPool: pool_id: expected int, not NoneType$"),
     # keys the daemon refuses, refused before sending
     ("lookup-short-key", lambda c, p: c.lookup([KEY, b"x"]), r"^Lookup: keys: key 1 has 1 bytes; keys are 32 bytes$"),
@@ -174,14 +178,14 @@ CASES: list[tuple[str, Call, str]] = [
     ("submit-load-none-pool", lambda c, p: c.submit_load(None, [LoadSegment([KEY], [0])]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
     ("submit-save-none-pool", lambda c, p: c.submit_save(None, [SaveSegment([KEY], [0])]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
     # flows: the high-level pair and the pools' calls
-    ("store-keys-negative-page", lambda c, p: c.store_keys(p, KEYS, [0, 1, -1]), r"^Put: pages: value out of range: -1$"),
+    ("store-keys-negative-page", lambda c, p: c.store_keys(p, KEYS, [0, 1, -1]), r"^Put: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
     ("store-keys-str-key", lambda c, p: c.store_keys(p, [*KEYS[:2], "key"], [0, 1, 2]), r"^Put: keys: .*\bstr\b"),
     ("store-keys-none-key", lambda c, p: c.store_keys(p, [*KEYS[:2], None], [0, 1, 2]), r"^Put: keys: .*NoneType"),
     ("store-keys-str-parent", lambda c, p: c.store_keys(p, KEYS, [0, 1, 2], parent_key="k"), r"^Put: parent_key: expected bytes, not str$"),
     ("store-keys-too-few-pages", lambda c, p: c.store_keys(p, KEYS, [0, 1]), r"^store: 2 pages for 3 keys$"),
     ("store-keys-not-a-list", lambda c, p: c.store_keys(p, 5, [0]), r"^store: keys: expected a sequence, not int$"),
-    ("load-keys-negative-lease", lambda c, p: c.load_keys(p, KEYS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1$"),
-    ("load-keys-negative-page", lambda c, p: c.load_keys(p, KEYS, [0, 1, -1]), r"^Get: pages: value out of range: -1$"),
+    ("load-keys-negative-lease", lambda c, p: c.load_keys(p, KEYS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
+    ("load-keys-negative-page", lambda c, p: c.load_keys(p, KEYS, [0, 1, -1]), r"^Get: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
     ("load-keys-float-page", lambda c, p: c.load_keys(p, KEYS, [0.5, 1, 2]), r"^Get: pages: .*float"),
     ("load-keys-str-key", lambda c, p: c.load_keys(p, [*KEYS[:2], "key"], [0, 1, 2]), r"^Lookup: keys: .*\bstr\b"),
     ("load-keys-pages-not-a-list", lambda c, p: c.load_keys(p, KEYS, 5), r"^load: pages: expected a sequence, not int$"),
@@ -190,16 +194,16 @@ CASES: list[tuple[str, Call, str]] = [
     ("store-str-tokens", lambda c, p: c.store(p, "tokens", [0, 1, 2]), r"^token_ids: expected a sequence, not str$"),
     ("store-nested-tokens", lambda c, p: c.store(p, [TOKENS], [0, 1, 2]), r"^token_ids: token ids must be one-dimensional, not of shape \(1, 12\)$"),
     ("store-negative-token", lambda c, p: c.store(p, [-1, *TOKENS[1:]], [0, 1, 2]), r"^token_ids: token ids must lie in \[0, 2\*\*32\)$"),
-    ("store-negative-page", lambda c, p: c.store(p, TOKENS, [0, 1, -1]), r"^Put: pages: value out of range: -1$"),
-    ("load-negative-lease", lambda c, p: c.load(p, TOKENS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1$"),
-    ("pool-store-huge-page", lambda c, p: p.store(TOKENS, [0, 1, 2**40]), r"^Put: pages: value out of range: 1099511627776$"),
+    ("store-negative-page", lambda c, p: c.store(p, TOKENS, [0, 1, -1]), r"^Put: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
+    ("load-negative-lease", lambda c, p: c.load(p, TOKENS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
+    ("pool-store-huge-page", lambda c, p: p.store(TOKENS, [0, 1, 2**40]), r"^Put: pages: value out of range: 1099511627776 \(a uint32: 0 to 4294967295\)$"),
     ("pool-load-float-token", lambda c, p: p.load([0.5, *TOKENS[1:]], [0, 1, 2]), r"^token_ids: token ids must be integers"),
     ("pool-store-keys-none-key", lambda c, p: p.store_keys([KEY, None], [0, 1]), r"^Put: keys: .*NoneType"),
-    ("pool-load-keys-negative-lease", lambda c, p: p.load_keys(KEYS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1$"),
+    ("pool-load-keys-negative-lease", lambda c, p: p.load_keys(KEYS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
     # transfer jobs
-    ("submit-load-negative-page", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, -1])]), r"^Get: pages: value out of range: -1$"),
+    ("submit-load-negative-page", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, -1])]), r"^Get: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
     ("submit-load-str-key", lambda c, p: c.submit_load(p, [LoadSegment(["key"], [0])]), r"^Get: keys: .*\bstr\b"),
-    ("submit-load-negative-lease", lambda c, p: c.submit_load(p, [LoadSegment([KEY], [0], lease_id=-1)]), r"^Get: lease_id: value out of range: -1$"),
+    ("submit-load-negative-lease", lambda c, p: c.submit_load(p, [LoadSegment([KEY], [0], lease_id=-1)]), r"^Get: lease_id: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
     ("submit-load-page-count", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0])]), r"^load segment 0: 1 pages for 3 keys$"),
     ("submit-load-no-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment([KEY], [0])], layer_groups=0), r"^layer_groups: must be at least 1 \(got 0\)$"),
     ("submit-load-float-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=1.5), r"^layer_groups: expected int, not float$"),
@@ -217,7 +221,7 @@ CASES: list[tuple[str, Call, str]] = [
     ("submit-load-str-timeout", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], timeout_s="1"), r"^timeout_s: expected a number of seconds, not '1'$"),
     ("submit-save-load-segment", lambda c, p: c.submit_save(p, [LoadSegment(KEYS, [0, 1, 2])]), r"^save segment 0: expected SaveSegment, not LoadSegment$"),
     ("submit-save-none-parent", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2], parent_key=None)]), r"^Put: parent_key: expected bytes, not NoneType$"),
-    ("submit-save-negative-page", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, -1])]), r"^Put: pages: value out of range: -1$"),
+    ("submit-save-negative-page", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, -1])]), r"^Put: pages: value out of range: -1 \(a uint32: 0 to 4294967295\)$"),
     ("submit-save-none-key", lambda c, p: c.submit_save(p, [SaveSegment([*KEYS[:2], None], [0, 1, 2])]), r"^Put: keys: .*NoneType"),
     ("submit-save-str-parent", lambda c, p: c.submit_save(p, [SaveSegment([KEY], [0], parent_key="k")]), r"^Put: parent_key: expected bytes, not str$"),
     ("submit-save-keys-not-a-list", lambda c, p: c.submit_save(p, [SaveSegment(5, [0])]), r"^save segment 0: keys: expected a sequence, not int$"),
@@ -456,6 +460,20 @@ def test_regression_an_argument_past_4300_digits_failed_its_own_refusal(shared_d
         pytest.raises(NotFoundError, match=r"^no job an int of 16610 bits \(never "),
     ):
         client.job(10**5000)
+
+
+def test_regression_an_int_field_past_4300_digits_was_refused_in_pythons_words(shared_daemon):
+    """Protobuf's refusal of an integer out of its field's range shows the value, which
+    Python refuses to print past 4,300 digits: ``release(10**5000)`` was refused as
+    "lease_id: Exceeds the limit (4300 digits) for integer string conversion ...", and a
+    bool field's (``lookup(keys, pin=10**5000)``) raised that ValueError, no
+    InvalidArgumentError. The refusal names the field, the value by its size, and what the
+    field holds (the cases above with "past-4300" in their ids, both clients)."""
+    with Client(shared_daemon.address) as client:
+        with pytest.raises(InvalidArgumentError, match=r"^Release: lease_id: .* 16610 bits \(a"):
+            client.release(10**5000)
+        with pytest.raises(InvalidArgumentError, match=r"^Lookup: pin: .* 16610 bits \(a bool"):
+            client.lookup([KEY], pin=10**5000)
 
 
 def test_regression_a_timeout_that_is_no_number_holding_an_int_past_4300_digits_was_untyped(
