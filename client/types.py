@@ -564,6 +564,14 @@ _INT_FIELDS = {
 }
 
 
+def int_field_range(message: Any, name: str) -> tuple[int, int]:
+    """The integers field ``name`` of ``message`` holds, outside which ``build_request``
+    refuses a value: an option that a connector sends in that field is checked against it
+    when the connector is built, not refused at every call."""
+    _, low, high = _INT_FIELDS[message.DESCRIPTOR.fields_by_name[name].cpp_type]
+    return low, high
+
+
 def _as_int(value: object) -> int | None:
     """``value`` as protobuf reads an integer (``__index__``, not a bool); None otherwise."""
     if isinstance(value, (bool, np.bool_)):

@@ -49,10 +49,12 @@ from kvtier.client.keys import KEY_BYTES, Namespace, block_key
 from kvtier.client.types import (
     MAX_SECONDS,
     as_float,
+    int_field_range,
     pool_address_problem,
     shown,
     shown_keys,
 )
+from kvtier.proto import kvtier_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,6 @@ class ConnectorConfig:
         for name in (
             "layer_groups",
             "min_load_blocks",
-            "lease_ms",
             "staging_bytes",
             "max_save_jobs",
         ):
@@ -202,8 +203,18 @@ class ConnectorConfig:
                 raise ValueError(f"kvtier connector: {name} must be at least 1")
         if not 0 < self.staging_save_share < 1:
             raise ValueError("kvtier connector: staging_save_share must be between 0 and 1")
-        if self.hint_ms < 0:
-            raise ValueError("kvtier connector: hint_ms must be at least 0")
+        # Sent as a pinning Lookup's lease_ms and a Prefetch's deadline_ms: a value those
+        # fields do not hold was refused at every call (no load pinned, no hint sent).
+        for name, low, (message, wire) in (
+            ("lease_ms", 1, (pb.LookupRequest, "lease_ms")),
+            ("hint_ms", 0, (pb.PrefetchRequest, "deadline_ms")),
+        ):
+            high = int_field_range(message, wire)[1]
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(
+                    f"kvtier connector: {name} must be from {low} to {high} ms (the "
+                    f"{wire} of a {message.DESCRIPTOR.name.removesuffix('Request')})"
+                )
         for name in (
             "lookup_timeout_s",
             "load_timeout_s",

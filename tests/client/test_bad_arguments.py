@@ -40,6 +40,7 @@ from kvtier.client import (
     wait_until_serving,
 )
 from kvtier.client.sync import resolve_token
+from kvtier.kernels.layout import MAX_LAYERS, LayoutError
 
 NS = Namespace(model="bad-arguments", kv_dtype="uint8", block_tokens=4)
 TOKENS = list(range(12))
@@ -474,6 +475,27 @@ def test_regression_an_int_field_past_4300_digits_was_refused_in_pythons_words(s
             client.release(10**5000)
         with pytest.raises(InvalidArgumentError, match=r"^Lookup: pin: .* 16610 bits \(a bool"):
             client.lookup([KEY], pin=10**5000)
+
+
+@pytest.mark.parametrize(
+    "num_layers",
+    [pytest.param(MAX_LAYERS + 1, id="max-plus-1"), pytest.param(10**5000, id="past-4300-digits")],
+)
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda n: PoolLayout.staging(num_layers=n, num_pages=8, block_tokens=4, chunk_bytes=64), id="staging"),
+        pytest.param(lambda n: PoolLayout.vllm(num_layers=n, num_pages=8, block_tokens=4, num_kv_heads=1, head_dim=16, dtype="uint8"), id="vllm"),
+        pytest.param(lambda n: PoolLayout.flashinfer(num_layers=n, num_pages=8, block_tokens=4, num_kv_heads=1, head_dim=16, dtype="uint8"), id="flashinfer"),
+    ],
+)  # fmt: skip
+def test_regression_a_layout_of_10_to_the_5000_layers_spun_in_its_caller(build, num_layers):
+    """``PoolLayout.staging(num_layers=10**5000, ...)`` (and the vLLM and FlashInfer
+    layouts) built one layer after another until memory ran out: only ``validate``, at
+    registration, refused more than ``MAX_LAYERS``. The count is refused first."""
+    with pytest.raises(LayoutError, match=rf"^num_layers must be at most {MAX_LAYERS}$"):
+        build(num_layers)
+    assert len(build(MAX_LAYERS).layers) == MAX_LAYERS
 
 
 def test_regression_a_timeout_that_is_no_number_holding_an_int_past_4300_digits_was_untyped(

@@ -171,3 +171,48 @@ def test_regression_an_unknown_key_that_is_no_string_was_refused_with_pythons_er
     that was wrong. They are named as the values are (``types.shown``)."""
     with pytest.raises(ValueError, match=rf"unknown (kv_connector_extra_config )?key\(s\) {names}"):
         CONNECTORS[connector](raw)
+
+
+# The largest a Lookup's lease_ms and a Prefetch's deadline_ms hold (uint32s).
+WIRE_MS = 2**32 - 1
+
+
+@pytest.mark.parametrize(
+    ("name", "low"),
+    [pytest.param("lease_ms", 1, id="lease"), pytest.param("hint_ms", 0, id="hint")],
+)
+@pytest.mark.parametrize(
+    "past", [pytest.param(1, id="past-max"), pytest.param(10**5000, id="huge")]
+)
+def test_regression_the_vllm_connectors_lease_and_hint_past_the_wire_were_refused_at_each_call(
+    name: str, low: int, past: int
+) -> None:
+    """lease_ms (a pinning Lookup's lease) and hint_ms (a Prefetch's deadline) were checked
+    for their minimum only: one past what the wire's field holds built a connector whose
+    every Lookup pin (every load) and every hint the client refused, in words naming the
+    request's field, not the option. Refused when the connector is built, naming the option
+    and its range (the field's, as the client's refusals take it); the range's ends pass."""
+    message = rf"^kvtier connector: {name} must be from {low} to {WIRE_MS} ms "
+    for value in (WIRE_MS + past, low - 1):
+        with pytest.raises(ValueError, match=message):
+            ConnectorConfig.from_extra_config({name: value})
+    for value in (low, WIRE_MS):
+        assert getattr(ConnectorConfig.from_extra_config({name: value}), name) == value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(-1, id="negative"),
+        pytest.param(WIRE_MS + 1, id="past-max"),
+        pytest.param(10**5000, id="huge"),
+    ],
+)
+def test_regression_the_transformers_lease_past_the_wire_was_refused_at_each_load(
+    value: int,
+) -> None:
+    """KVTierPrefixCache's lease_ms was not checked: one a Lookup's lease_ms does not hold
+    was refused at every load (each a miss, counted as a failure). Refused at construction,
+    naming the option and its range."""
+    with pytest.raises(ValueError, match=rf"^lease_ms must be from 0 to {WIRE_MS} ms "):
+        KVTierPrefixCache(None, None, lease_ms=value)  # type: ignore[arg-type]
