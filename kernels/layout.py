@@ -286,7 +286,7 @@ class PoolLayout:
         layer_bytes = 2 * num_pages * chunk
         layers = tuple(
             LayerLayout(base_offset + i * layer_bytes, 2, kv_stride, page_stride, chunk)
-            for i in _layer_numbers(num_layers)
+            for i in layer_numbers(num_layers)
         )
         return cls(layers, num_pages, block_tokens, dtype)
 
@@ -313,15 +313,16 @@ class PoolLayout:
                 page_bytes,
                 chunk_bytes,
             )
-            for i in _layer_numbers(num_layers)
+            for i in layer_numbers(num_layers)
         )
         return cls(layers, num_pages, block_tokens, dtype)
 
 
-def _layer_numbers(num_layers: int) -> range:
+def layer_numbers(num_layers: int) -> range:
     """``range(num_layers)``, refused past ``MAX_LAYERS`` before a layer is built: a layout
     of ``num_layers=10**5000`` built layers until memory ran out, long before ``validate``
-    could refuse the count."""
+    could refuse the count. Every builder of a layout layer by layer counts through here
+    (also ``runs.mla_layout`` and ``staging.layer_major_layout``)."""
     if num_layers > MAX_LAYERS:
         raise LayoutError(f"num_layers must be at most {MAX_LAYERS}")
     return range(num_layers)

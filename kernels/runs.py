@@ -26,7 +26,7 @@ from math import gcd
 
 import numpy as np
 
-from kvtier.kernels.layout import ChunkTable, LayoutError, PoolLayout
+from kvtier.kernels.layout import ChunkTable, LayoutError, PoolLayout, layer_numbers
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +279,7 @@ def mla_layout(
     chunk = block_tokens * latent_dim * DTYPE_ITEMSIZE[dtype]
     layer_bytes = num_pages * chunk
     layers = tuple(
-        LayerLayout(base_offset + i * layer_bytes, 1, 0, chunk, chunk) for i in range(num_layers)
+        LayerLayout(base_offset + i * layer_bytes, 1, 0, chunk, chunk)
+        for i in layer_numbers(num_layers)
     )
     return PoolLayout(layers, num_pages, block_tokens, dtype)

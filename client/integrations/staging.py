@@ -59,7 +59,7 @@ from kvtier.client.errors import (
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
-from kvtier.kernels.layout import LayerLayout, PoolLayout
+from kvtier.kernels.layout import LayerLayout, PoolLayout, layer_numbers
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def layer_major_layout(
             page_stride=layer_block_bytes,
             chunk_bytes=layer_block_bytes,
         )
-        for i in range(num_layers)
+        for i in layer_numbers(num_layers)
     )
     return PoolLayout(layers, num_pages, block_tokens, dtype)
 

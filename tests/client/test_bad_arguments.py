@@ -41,6 +41,7 @@ from kvtier.client import (
 )
 from kvtier.client.sync import resolve_token
 from kvtier.kernels.layout import MAX_LAYERS, LayoutError
+from kvtier.kernels.runs import mla_layout
 
 NS = Namespace(model="bad-arguments", kv_dtype="uint8", block_tokens=4)
 TOKENS = list(range(12))
@@ -477,6 +478,13 @@ def test_regression_an_int_field_past_4300_digits_was_refused_in_pythons_words(s
             client.lookup([KEY], pin=10**5000)
 
 
+def _layer_major_layout(*args: Any) -> PoolLayout:
+    """``staging.layer_major_layout``, imported here: its module needs torch."""
+    from kvtier.client.integrations.staging import layer_major_layout
+
+    return layer_major_layout(*args)
+
+
 @pytest.mark.parametrize(
     "num_layers",
     [pytest.param(MAX_LAYERS + 1, id="max-plus-1"), pytest.param(10**5000, id="past-4300-digits")],
@@ -487,12 +495,16 @@ def test_regression_an_int_field_past_4300_digits_was_refused_in_pythons_words(s
         pytest.param(lambda n: PoolLayout.staging(num_layers=n, num_pages=8, block_tokens=4, chunk_bytes=64), id="staging"),
         pytest.param(lambda n: PoolLayout.vllm(num_layers=n, num_pages=8, block_tokens=4, num_kv_heads=1, head_dim=16, dtype="uint8"), id="vllm"),
         pytest.param(lambda n: PoolLayout.flashinfer(num_layers=n, num_pages=8, block_tokens=4, num_kv_heads=1, head_dim=16, dtype="uint8"), id="flashinfer"),
+        pytest.param(lambda n: mla_layout(num_layers=n, num_pages=8, block_tokens=4, latent_dim=16, dtype="uint8"), id="mla"),
+        pytest.param(lambda n: _layer_major_layout(n, 8, 4, 64, "uint8"), id="layer-major"),
     ],
 )  # fmt: skip
 def test_regression_a_layout_of_10_to_the_5000_layers_spun_in_its_caller(build, num_layers):
     """``PoolLayout.staging(num_layers=10**5000, ...)`` (and the vLLM and FlashInfer
     layouts) built one layer after another until memory ran out: only ``validate``, at
-    registration, refused more than ``MAX_LAYERS``. The count is refused first."""
+    registration, refused more than ``MAX_LAYERS``. The count is refused first, by every
+    builder of a layout layer by layer (the MLA and the staging pools' layer-major ones
+    built past ``MAX_LAYERS`` after 3eed33d)."""
     with pytest.raises(LayoutError, match=rf"^num_layers must be at most {MAX_LAYERS}$"):
         build(num_layers)
     assert len(build(MAX_LAYERS).layers) == MAX_LAYERS
