@@ -71,8 +71,8 @@ class PoolBinding:
 
     def registers_again(self, err: UnauthenticatedError) -> bool:
         """Whether a registration refused with ``err`` is made again, with a new ticket (the
-        clients' ``_register``): only where the daemon refused the memory's ticket
-        (``ticket_refused``), which expired while the call waited for a call slot (a ticket
+        clients' ``_register``): only where the daemon refused a ticket (``ticket_refused``):
+        the memory's, which expired while the call waited for a call slot (a ticket
         lives ``TICKET_TTL_S``, 10 s; a call may wait its whole timeout), or which the
         first run spent before it was sent again in a new session (``SendAgain``): the
         daemon gives it back where it ended the session itself (a reload), not where the

@@ -336,8 +336,8 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     type, an integer beyond its field's range ("Put: pages: value out of range: -1 (a uint32:
     0 to 4294967295)"), None (which protobuf takes as "unset": ``release(None)`` asked the
     daemon to release lease 0, ``put(None, ...)`` named pool 0, and it answered NotFound for
-    ids the caller never gave), a key that is not ``KEY_BYTES`` long or an empty key list (both of which the
-    daemon refuses too).
+    ids the caller never gave), a key that is not ``KEY_BYTES`` long or an empty key list
+    (both of which the daemon refuses too).
 
     Every request the clients build goes through here. Protobuf checks each value as it
     copies it in, so building the message is the only pass over the arguments; a call builds
