@@ -1242,6 +1242,9 @@ class SpaceManager:
         others it drops are (``BlockStore._drop_repeated``)."""
         if repeats:
             slots = [*slots, *repeats]
+        # Before the free is tried: a put of one of their keys that commits first drops the
+        # rows with its own (``SlotTier.removing``).
+        level.slots.removing(slots)
 
         async def free() -> bool:
             freed = await self._release_logged(level, slots, "")

@@ -560,6 +560,14 @@ class SlotTier(Protocol):
         """Forget the blocks in ``slots`` and free the slots. False: nothing was freed."""
         ...
 
+    def removing(self, slots: Sequence[int]) -> None:
+        """``slots``, whose blocks are gone, are on their way to ``remove`` (which may run
+        later, or fail): a persistent tier's next block commit deletes their rows in its own
+        transaction, nothing freed, so that a block of the same key put meanwhile never
+        commits beside its older row (a crash between left both, and the next start's
+        recovery served the older until it read the newer). Volatile tiers do nothing."""
+        ...
+
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         """The blocks a persistent tier holds from before this start, a chunk at a time, once.
         Their slots are claimed as they are handed over; until the last chunk is out the

@@ -447,6 +447,9 @@ class DeviceTier:
             self.allocator.free(slot)
         return True
 
+    def removing(self, slots: Sequence[int]) -> None:
+        pass  # no rows: nothing survives a restart
+
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         return iter(())  # device memory does not survive a restart
 

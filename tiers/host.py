@@ -151,6 +151,9 @@ class HostArena:
         self.allocator.free_many(slots)
         return True
 
+    def removing(self, slots: Sequence[int]) -> None:
+        pass  # no rows: nothing survives a restart
+
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         return iter(())
 

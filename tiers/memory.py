@@ -84,6 +84,10 @@ class MemoryTier:
         # (the slots it was given are kept in ``unremoved``).
         self.fail_removes = False
         self.unremoved: list[int] = []
+        # Slots given to ``removing``, or whose ``remove`` failed: the next write drops their
+        # rows, as a disk tier's next commit deletes them in its own transaction
+        # (``DiskTier._unremoved``).
+        self._unremoved_rows: set[int] = set()
         self.forced_health: TierHealth | None = None
         self.read_hook: object = None  # called with the batch before a read (tests block on it)
         self.quarantined: set[int] = set()
@@ -127,6 +131,9 @@ class MemoryTier:
         out = []
         now = time.time()
         with self._lock:
+            for slot in self._unremoved_rows:
+                self._medium.index.pop(slot, None)
+            self._unremoved_rows.clear()
             for slot, start, ref in zip(batch.slots, starts.tolist(), batch.blocks, strict=True):
                 data = self._medium.arena[start : start + batch.nbytes]
                 csum = int(xxhash.xxh3_64_intdigest(data.data)) if self.checksummed else 0
@@ -163,8 +170,11 @@ class MemoryTier:
         if self.fail_removes:
             self.counters["remove_failures"] += len(slots)
             self.unremoved += [int(s) for s in slots]
+            with self._lock:
+                self._unremoved_rows.update(int(s) for s in slots)
             return False
         with self._lock:
+            self._unremoved_rows.difference_update(int(s) for s in slots)
             for slot in slots:
                 self._medium.index.pop(int(slot), None)
                 self._sums.pop(int(slot), None)
@@ -173,6 +183,10 @@ class MemoryTier:
             self.allocator.free(int(slot))
         self.counters["removed_slots"] += len(slots)
         return True
+
+    def removing(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            self._unremoved_rows.update(int(s) for s in slots)
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         out, self._recovered = self._recovered, []

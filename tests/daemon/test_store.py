@@ -3014,7 +3014,9 @@ async def _got_once_off_l1(store, pool, clock, key) -> bytes:
 async def _a_key_with_two_rows(make_store, clock):
     """A key put (page 0's bytes), three others, the key deleted where its L2 free failed,
     then put again with page 5's bytes: returns the L2 tier, the pool, the key and a copy of
-    the tier's medium as a stop then leaves it (the key's two rows); the store then frees."""
+    the tier's medium with the key's two rows; the store then frees. The put's commit drops
+    the first row (``SlotTier.removing``); the copy keeps it, as an index an earlier kvtier
+    wrote may (a crash after that put's commit, before the free)."""
     l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
     store, pool = make_store(clock, l2=l2), make_pool()
     key, others = keys(1), keys(3)
@@ -3023,10 +3025,11 @@ async def _a_key_with_two_rows(make_store, clock):
     l2.fail_removes = True
     assert (await store.delete(0, key)).deleted == 1
     await store.space.drain()
+    first_row = dict(l2._medium.index)
     assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
     assert page_bytes(pool, 0) != page_bytes(pool, 5)
     medium = dataclasses.replace(
-        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
+        l2._medium, arena=l2._medium.arena.copy(), index={**first_row, **l2._medium.index}
     )
     l2.fail_removes = False
     store.space.retry_frees(now=True)
@@ -3072,6 +3075,87 @@ async def test_a_key_deleted_where_its_slot_was_not_freed_then_put_again_comes_b
     assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [kept]
     assert again.table.slot[again.table.lookup(0, key)[0], 1] == kept
     assert again.check() == []
+
+
+async def test_regression_a_put_over_a_key_whose_free_failed_left_its_older_row_for_a_restart(
+    make_store, monkeypatch
+):
+    """A Delete whose L2 free failed keeps the key's row (``free_held`` tries again); the key
+    put again with other bytes, answered persisted, committed a second row beside it. A
+    crash then, and the next start's recovery, reading the rows a chunk at a time in slot
+    order, served the deleted bytes to a Get between the chunks until the newer row's chunk
+    came. The put's commit deletes the rows of the slots whose free failed, in its own
+    transaction: the crash leaves the newer row alone."""
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    assert (await put(store, pool, keys(3), pages=range(1, 4), durable=True))[1] == [True] * 3
+    l2.fail_removes = True
+    assert (await store.delete(0, key)).deleted == 1
+    await store.space.drain()
+    assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
+    put_last = page_bytes(pool, 5)
+    assert put_last != page_bytes(pool, 0)
+    crashed = dataclasses.replace(
+        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
+    )
+    rows = [r for r in crashed.index.values() if r.key == key[0].tobytes()]
+    assert len(rows) == 1
+    after = make_store(
+        clock, l2=MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True, _medium=crashed)
+    )
+    after.start()
+    pool.array[:] = 0
+    assert await get(after, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == put_last
+    await asyncio.wait_for(after.recovered.wait(), 10)
+    # The failed free, tried again, frees the slot with no row left to delete.
+    l2.fail_removes = False
+    store.space.retry_frees(now=True)
+    await store.space.drain()
+    assert not store.space.unfreed
+    assert [r.slot for r in l2._medium.index.values() if r.key == key[0].tobytes()] == [
+        rows[0].slot
+    ]
+    assert store.check() == []
+
+
+async def test_regression_a_put_committed_before_a_deleted_keys_free_left_its_older_row(
+    make_store, monkeypatch
+):
+    """A Delete's L2 free runs after the Delete has dropped the key (on a worker thread, as
+    background I/O); a put of the key with other bytes meanwhile, answered persisted,
+    committed its row before that free deleted the older one. A crash between left both
+    rows, and the next start's recovery could serve the deleted bytes until it read the
+    newer. The free's slots are noted with the tier as the Delete drops them
+    (``SlotTier.removing``), and the put's commit deletes their rows in its own."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    release, asked, go = store.space.release, asyncio.Event(), asyncio.Event()
+
+    async def held(level, slots):
+        asked.set()
+        await go.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", held)
+    deleting = asyncio.create_task(store.delete(0, key))
+    await asyncio.wait_for(asked.wait(), 10)
+    assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
+    crashed = [r for r in l2._medium.index.values() if r.key == key[0].tobytes()]
+    go.set()
+    assert (await asyncio.wait_for(deleting, 10)).deleted == 1
+    await store.space.drain()
+    kept = int(store.table.slot[store.table.lookup(0, key)[0], 1])
+    assert [r.slot for r in crashed] == [kept]
+    assert [r.slot for r in l2._medium.index.values()] == [kept]
+    assert store.check() == []
 
 
 async def _restarted_with_its_second_chunk_held(make_store, monkeypatch, clock):
@@ -6182,9 +6266,12 @@ async def test_regression_a_put_whose_block_recovery_moved_to_a_later_row_took_i
     l2.fail_removes = True
     assert (await store.delete(0, key)).deleted == 1
     await store.space.drain()
+    first_row = dict(l2._medium.index)
     assert (await put(store, small, key, pages=[3], durable=True))[1] == [True]
+    # With the first row, as an index an earlier kvtier wrote may hold it (the put's commit
+    # drops it: ``_a_key_with_two_rows``).
     medium = dataclasses.replace(
-        l2._medium, arena=l2._medium.arena.copy(), index=dict(l2._medium.index)
+        l2._medium, arena=l2._medium.arena.copy(), index={**first_row, **l2._medium.index}
     )
     l2.fail_removes = False
     store.space.retry_frees(now=True)

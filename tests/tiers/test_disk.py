@@ -2858,6 +2858,42 @@ def test_regression_slots_a_locked_index_kept_from_a_put_are_freed_without_a_com
         assert tier.allocator.used_bytes == 0
 
 
+def test_regression_a_row_whose_remove_failed_stayed_beside_its_key_put_again(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block's ``remove`` failed (the index locked by another process) and the store kept
+    its slot to try again; its key, put again with other bytes into another slot, committed a
+    second row beside the first. A crash before the retry left both, and the next start's
+    recovery, reading a chunk at a time in slot order, handed over the deleted bytes first. A
+    block commit now deletes the rows of the slots whose remove failed, in its transaction;
+    the retry of their remove then frees them with no row to delete."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.1) as tier:
+        first = _persist(tier, make_block, [0], 4096)[0]
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            assert not tier.remove([first[1]])
+        finally:
+            other.close()
+        tier.retry_writes_now()
+        _, data = make_block(1, 4096)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None and slot != first[1]
+        assert persist(tier, [PersistItem(1, first[0], slot, data, 4096)])[0].ok, tier.health()
+        # What a crash now leaves in the index.
+        db = sqlite3.connect(disk_dir / "index.sqlite3")
+        try:
+            crashed = db.execute("SELECT key, slot FROM blocks ORDER BY slot").fetchall()
+        finally:
+            db.close()
+        assert crashed == [(first[0], slot)]
+        assert tier.remove([first[1]])
+        assert tier.allocator.used_bytes == 4096
+    with _open(disk_dir) as tier:
+        assert [(r.key, r.slot) for r in tier.recover()] == [(first[0], slot)]
+
+
 def _returns_on_the_locked_index(
     tier: DiskTier,
     disk_dir: Path,

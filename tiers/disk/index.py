@@ -14,9 +14,11 @@ and needs the index only to recover it, to delete rows by slot and to check slot
 costs one append near the end of one B-tree (slots are handed out low first) rather than two random
 descents (a primary key on 32 random bytes, plus a unique slot index), which made commits of 4,096
 rows into an index of 400,000 about 8x slower (115 vs 14.5 ms). The index does not enforce one row
-per key: a key gets a new slot only after losing its old one, save where the old row's delete failed
-(the store tries it again) and the key was put again meanwhile, perhaps with other bytes; recovery's
-consumer keeps the row written last (``RecoveredBlocks.latest_of_each_key``). Index format 1 (``(ns,
+per key: a key gets a new slot only after losing its old one, and a block commit deletes, in its own
+transaction, the rows of the slots whose blocks are gone but whose delete failed or was not tried
+yet (``DiskTier.removing``), so a key put again meanwhile does not commit beside its older row; an
+index an earlier kvtier wrote may hold two, of which recovery's consumer keeps the row written last
+(``RecoveredBlocks.latest_of_each_key``). Index format 1 (``(ns,
 key)`` primary key, written before ``PRAGMA user_version`` was set) is migrated at open, in one
 transaction (rows whose slot is not an integer, which recovery would drop anyway, are left out and
 counted in the log); when that fails (a full disk, an I/O error) the open fails with
@@ -455,8 +457,9 @@ class DiskIndex:
         could not commit, in a transaction that commits only once ``durable`` returns, so that
         SQLite inserts while the rows' bytes are still going to disk. ``durable`` runs inside the
         transaction, holding the index (it must not commit through it; ``growth_bytes`` reads the
-        transaction's size through it), and returns the slots whose rows must not be committed after
-        all, or None to commit nothing. True when the rows, less those, are committed; what
+        transaction's size through it), and returns the slots whose rows the transaction deletes
+        (of ``rows``, those not to commit after all; others, older rows on their way out), or None
+        to commit nothing. True when the rows, less those, are committed; what
         ``durable`` raises rolls the rows back and propagates. ``wait_busy=False``: a lock another
         process holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
         (a write let through to find out whether that lock was let go), and so does the checkpoint

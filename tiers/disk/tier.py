@@ -646,6 +646,13 @@ class DiskTier:
         self._pending_recovery = None
         self._recovered: RecoveredBlocks | None = None
         self._committed = _RowMap(self.allocator.slots_cap)
+        # Slots on their way to ``remove`` (``removing``) or whose ``remove`` failed (the
+        # store tries again): their rows may still be in the index. The next block commit
+        # deletes them in its own transaction (``_make_durable``), so no row commits beside
+        # an older row of its key that a Delete or an eviction dropped; a crash between left
+        # both, and a Get during the next start's recovery served the older one until a
+        # later chunk's newer row replaced it.
+        self._unremoved: set[int] = set()
         self.lost_at_recovery: Counter[str] = Counter()
         self._closed = False
         self._lock_fd = -1
@@ -813,9 +820,10 @@ class DiskTier:
                     strict=False,
                 )
         ran = False
+        unremoved: list[int] = []
 
         def durable() -> list[int] | None:
-            nonlocal ran
+            nonlocal ran, unremoved
             ran = True
             self._sync_written(attempted)
             wrote = any(t.ws.ok.any() for t in attempted)
@@ -827,7 +835,12 @@ class DiskTier:
             failed = [
                 t.ws.slots[live[~t.ws.ok[live]]] for t in attempted if (live := t.live) is not None
             ]
-            return np.concatenate(failed).tolist() if failed else []
+            # Read holding the index (inside its transaction): a slot freed since is not here,
+            # and one here is not freed until this commit ends (``remove`` deletes first).
+            if rows:
+                with self._state_lock:
+                    unremoved = sorted(self._unremoved)
+            return [*(np.concatenate(failed).tolist() if failed else []), *unremoved]
 
         if not rows:
             durable()
@@ -849,6 +862,12 @@ class DiskTier:
                 if not ran:  # the insert failed before the writes were waited for
                     self._sync_written(attempted)  # nothing to commit: no reserve to make
         good = np.concatenate([t.ws.slots[t.ws.ok] for t in attempted] or [_NO_SLOTS])
+        if committed and unremoved:
+            # Their rows are gone: the store's retry of their ``remove`` frees them with no
+            # write transaction (none if it ran meanwhile: ``_delete_rows``).
+            with self._state_lock:
+                self._unremoved.difference_update(unremoved)
+                self._committed.discard(unremoved)
         if committed and len(good):
             with self._state_lock:
                 self._committed.add_array(good)
@@ -958,6 +977,11 @@ class DiskTier:
             b.key = key
         return self._read_blocks(blocks, batch.priority, batch.rank, batch.urgency)
 
+    def removing(self, slots: Sequence[int]) -> None:
+        """Note slots ``remove`` will be given (``_unremoved``): their blocks are gone."""
+        with self._state_lock:
+            self._unremoved.update(int(s) for s in slots)
+
     def remove(self, slots: Iterable[int]) -> bool:
         """Delete the index rows of these slots (one transaction) and free the slots.
 
@@ -976,9 +1000,14 @@ class DiskTier:
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index delete")
             self.faults.count(remove_failures=len(slots))
+            with self._state_lock:
+                self._unremoved.update(slots)
             return False
         freed = 0
         with self._state_lock:
+            # With the release, under one hold of the lock: a commit that finds a slot here
+            # (``_make_durable``) finds it not yet handed out again.
+            self._unremoved.difference_update(slots)
             self._committed.discard(slots)
             for slot in slots:
                 if slot in self._quarantined:
