@@ -768,6 +768,38 @@ def test_regression_a_release_gave_back_a_slot_that_a_read_in_flight_then_quaran
         assert tier.quarantined() == []
 
 
+def test_regression_a_release_gave_back_a_quarantined_slot_whose_free_was_under_way(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """A slot quarantined by a failed read whose free the store had under way (a slot of
+    ``SpaceManager.read_held``: a read of a recovered copy's replaced slot failed) was given
+    back by a release before that free: handed out again, the next block commit deleted the
+    row of the block written there (a commit deletes the rows of slots on their way to
+    ``remove``), answered persisted and gone after a restart, and the free then released the
+    slot under it. A release leaves such a slot held, saying why, after a block commit that
+    deleted its row too; the free keeps it held."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 65_536)
+        slot = blocks[1][1]
+        _flip(tier, slot)
+        assert _read(tier, {1: blocks[1]}) == {1: None}
+        tier.removing([slot])
+        assert tier.release_quarantined().released == []
+        other = _persist(tier, make_block, [3], 65_536)
+        out = tier.release_quarantined()
+        assert out.released == []
+        assert [(q.slot, q.reason) for q in out.kept] == [
+            (slot, "release: its free was not done yet")
+        ]
+        again = _persist(tier, make_block, [2], 65_536)
+        assert again[2][1] != slot
+        assert tier.remove([slot])
+        assert [q.slot for q in tier.quarantined()] == [slot]
+        assert tier.release_quarantined().released == [slot]
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[0][0], other[3][0], again[2][0]}
+
+
 def test_regression_a_failed_read_on_a_full_disk_let_a_release_end_the_full_disks_fault(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

@@ -653,6 +653,10 @@ class DiskTier:
         # both, and a Get during the next start's recovery served the older one until a
         # later chunk's newer row replaced it.
         self._unremoved: set[int] = set()
+        # Those slots, and the ones whose rows a commit deleted since, until a ``remove``
+        # frees them: the store still hands them to ``remove``, so a release of a quarantined
+        # one leaves it held (``release_quarantined``).
+        self._freeing: set[int] = set()
         self.lost_at_recovery: Counter[str] = Counter()
         self._closed = False
         self._lock_fd = -1
@@ -981,6 +985,7 @@ class DiskTier:
         """Note slots ``remove`` will be given (``_unremoved``): their blocks are gone."""
         with self._state_lock:
             self._unremoved.update(int(s) for s in slots)
+            self._freeing.update(int(s) for s in slots)
 
     def remove(self, slots: Iterable[int]) -> bool:
         """Delete the index rows of these slots (one transaction) and free the slots.
@@ -1002,12 +1007,14 @@ class DiskTier:
             self.faults.count(remove_failures=len(slots))
             with self._state_lock:
                 self._unremoved.update(slots)
+                self._freeing.update(slots)
             return False
         freed = 0
         with self._state_lock:
             # With the release, under one hold of the lock: a commit that finds a slot here
             # (``_make_durable``) finds it not yet handed out again.
             self._unremoved.difference_update(slots)
+            self._freeing.difference_update(slots)
             self._committed.discard(slots)
             for slot in slots:
                 if slot in self._quarantined:
@@ -1535,10 +1542,12 @@ class DiskTier:
         cannot hold the index's growth, or failed, the tier's fault, as a read's
         quarantine's is: the reason it had stays), and so does one that a read begun before
         its quarantine still has in flight (that read, failing, would hold it again, perhaps
-        once handed out). A slot whose
+        once handed out), or that the store is freeing still (``removing``: handed out, its
+        new block's row would go with the next block commit, and the slot with that free).
+        A slot whose
         check failed is ``tried`` in ``quarantined`` until it is released or a read
         quarantines it again, so that a caller of releases naming none can tell when the
-        slots left are only those (one kept for a read in flight is not). The
+        slots left are only those (one kept for a read in flight, or a free, is not). The
         rows of the slots released (their quarantine rows, and a block
         row that a failed quarantine update left) are durably deleted before the allocator
         may hand them out, so a crash after a release brings no old block back.
@@ -1585,6 +1594,11 @@ class DiskTier:
                 # Read before their quarantine, and failing yet: given back now, a slot would be
                 # quarantined again by that read, perhaps once handed out to another block.
                 checked = {s: "a read of it was in flight" for s in todo if s in self._reading}
+                # On their way to ``remove`` (``_freeing``): handed out again, a slot's new
+                # row would go with the next block commit, and the slot with that remove.
+                for s in todo:
+                    if s in self._freeing and s not in checked:
+                        checked[s] = "its free was not done yet"
             # Not checked: the next release tries them again.
             in_flight = set(checked)
             check = [s for s in todo if s not in checked]
