@@ -2926,6 +2926,70 @@ def test_regression_a_row_whose_remove_failed_stayed_beside_its_key_put_again(
         assert [(r.key, r.slot) for r in tier.recover()] == [(first[0], slot)]
 
 
+def _fail_a_read_on_a_locked_index(tier: DiskTier, disk_dir: Path, block: tuple) -> None:
+    """Read ``block`` (its bytes flipped: the read fails) while another connection holds the
+    index locked, so its quarantine does not reach the index."""
+    _flip(tier, block[1])
+    other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        assert _read(tier, {0: block}) == {0: None}
+    finally:
+        other.close()
+
+
+def test_regression_a_quarantine_on_a_locked_index_left_its_row_beside_its_key_put_again(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that failed while another process held the index locked quarantined its slot
+    in memory alone, its row kept (a second try would wait out the lock again); the store
+    forgot the block, and its key, put again into another slot, committed a second row
+    beside the first. A crash left both, and the next start's recovery, reading a chunk at a
+    time in slot order, handed the quarantined slot's row over first (bytes that fail no
+    more, a one-off read error, served as the key's). The next block commit deletes that row
+    in its transaction, as it deletes those of slots on their way to ``remove``; a release
+    of the slot before that commit deletes it, and the block given the slot keeps its row."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.1) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 4096)
+        good = bytes(blocks[1][2])
+        _fail_a_read_on_a_locked_index(tier, disk_dir, blocks[1])
+        tier.retry_writes_now()
+        assert [q.slot for q in tier.quarantined()] == [blocks[1][1]]
+        _, data = make_block(2, 4096)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None and slot not in (blocks[0][1], blocks[1][1])
+        assert persist(tier, [PersistItem(1, blocks[1][0], slot, data, 4096)])[0].ok, tier.health()
+        # What a crash now leaves in the index.
+        db = sqlite3.connect(disk_dir / "index.sqlite3")
+        try:
+            crashed = db.execute("SELECT slot FROM blocks ORDER BY slot").fetchall()
+        finally:
+            db.close()
+        assert crashed == [(blocks[0][1],), (slot,)]
+        # The read error was a one-off: the slot's bytes are whole again.
+        path, offset = tier.slot_location(blocks[1][1])
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(good)
+    with _open(disk_dir) as tier:
+        assert {(r.key, r.slot) for r in tier.recover()} == {
+            (blocks[0][0], blocks[0][1]),
+            (blocks[1][0], slot),
+        }
+        assert [q.slot for q in tier.quarantined()] == []
+        _fail_a_read_on_a_locked_index(tier, disk_dir, blocks[0])
+        tier._retry_commit()  # the lock let go: what the watch finds
+        assert tier.release_quarantined().released == [blocks[0][1]]
+        again = _persist(tier, make_block, [3], 4096)
+        assert again[3][1] == blocks[0][1]
+    with _open(disk_dir) as tier:
+        assert {(r.key, r.slot) for r in tier.recover()} == {
+            (again[3][0], blocks[0][1]),
+            (blocks[1][0], slot),
+        }
+
+
 def _returns_on_the_locked_index(
     tier: DiskTier,
     disk_dir: Path,

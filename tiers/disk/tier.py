@@ -647,7 +647,8 @@ class DiskTier:
         self._recovered: RecoveredBlocks | None = None
         self._committed = _RowMap(self.allocator.slots_cap)
         # Slots on their way to ``remove`` (``removing``) or whose ``remove`` failed (the
-        # store tries again): their rows may still be in the index. The next block commit
+        # store tries again), and quarantined ones whose rows a lock kept (``_quarantine``):
+        # their rows may still be in the index. The next block commit
         # deletes them in its own transaction (``_make_durable``), so no row commits beside
         # an older row of its key that a Delete or an eviction dropped; a crash between left
         # both, and a Get during the next start's recovery served the older one until a
@@ -1634,6 +1635,9 @@ class DiskTier:
                     self.faults.fault(classify(e), what)
             with self._state_lock:
                 self._tried.update(slot for slot in failed if slot not in in_flight)
+                # Their block rows are gone with the drop: handed out, a slot left here
+                # would lose its new row to the next block commit.
+                self._unremoved.difference_update(passed)
                 for slot in passed:
                     self._quarantined_slot_bytes -= self.allocator.slot_bytes_for(
                         self._quarantined.pop(slot)
@@ -1828,6 +1832,7 @@ class DiskTier:
             fault = classify(e)
             self.faults.fault(fault, what)
             recorded = False
+        kept_rows = not recorded
         if not recorded and (fault is None or fault.kind != "locked"):
             # The store forgets its copy of these blocks, so no Delete of their keys reaches
             # their rows: left, they were served again after a restart where their bytes
@@ -1837,6 +1842,7 @@ class DiskTier:
             # timeout, which a second try would wait out again, holding up this read.
             try:
                 self._delete_rows([b.slot for b in blocks])
+                kept_rows = False
             except sqlite3.Error as e:
                 self.faults.fault(classify(e), "index delete")
         with self._state_lock:
@@ -1849,6 +1855,11 @@ class DiskTier:
                 self._quarantined[b.slot] = b.nbytes
                 self._tried.discard(b.slot)  # a new failure, for the next release to try
             self._committed.discard(b.slot for b in blocks)
+            if kept_rows:
+                # Left, a put of one of their keys committed beside its row (the store
+                # forgets these blocks, and no ``remove`` reaches them): the next block
+                # commit deletes them, as it does those of slots on their way to ``remove``.
+                self._unremoved.update(b.slot for b in blocks)
 
     def _blocks(
         self,
