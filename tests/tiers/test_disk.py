@@ -1086,6 +1086,22 @@ def test_regression_a_chunk_read_row_by_row_compared_every_row_with_every_sound_
         assert _CountedNs.compared == 0, _CountedNs.compared
 
 
+def test_regression_the_recovery_log_rounded_its_blocks_to_whole_mib_and_counted_the_quarantine(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The line recovery logs gave the tier's used bytes in whole MiB, rounded down: 320 KiB
+    of blocks read "0 MiB", as if nothing was recovered; and those bytes were the allocator's,
+    the quarantined slots' (claimed before the rows are read) counted as blocks recovered. It
+    now gives the bytes of the blocks it recovered, to two decimals."""
+    with _open(disk_dir) as tier:
+        _quarantine_two(tier, make_block)  # 4 blocks of 64 KiB, 2 of them quarantined
+        _persist(tier, make_block, list(range(4, 7)), 65_536)
+    with caplog.at_level(logging.INFO, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
+        assert len(tier.recover()) == 5
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("L2 recovered")]
+    assert line.startswith("L2 recovered 5 blocks (0.31 MiB) from 5 index rows in "), line
+
+
 def test_a_slot_whose_row_recovery_drops_is_handed_out_only_once_the_row_is_gone(
     disk_dir: Path, make_block: Block
 ) -> None:

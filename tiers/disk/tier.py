@@ -1257,7 +1257,7 @@ class DiskTier:
         lost: Counter[str] = Counter()
         lost_files: Counter[str] = Counter()
         drop: list[int] = []
-        total = kept = 0
+        total = kept = kept_bytes = 0
         index_rows = self._index_rows(rows)
         # Until every row is read: a consumer may also leave before the end (the generator
         # closed at a yield), and the slots of the rows it did not take stay unavailable.
@@ -1270,6 +1270,7 @@ class DiskTier:
                         chunk, before, sizes, damaged, lost, lost_files, drop
                     )
                     kept += len(blocks)
+                    kept_bytes += int(blocks.nbytes.sum())
                     if len(blocks):
                         yield blocks
                 unread = False
@@ -1321,9 +1322,9 @@ class DiskTier:
             recovery_dropped_rows=len(drop),
         )
         log.info(
-            "L2 recovered %d blocks (%d MiB) from %d index rows in %.2fs",
+            "L2 recovered %d blocks (%s) from %d index rows in %.2fs",
             kept,
-            self.allocator.used_bytes >> 20,
+            _mib(kept_bytes),
             total,
             time.monotonic() - started,
         )
