@@ -1066,14 +1066,22 @@ class DiskIndex:
         db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
         )
-        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise sqlite3.OperationalError(f"cannot switch the index to WAL mode (got {mode})")
-        # FULL: in WAL mode NORMAL does not sync the WAL at commit, so a commit reported as
-        # durable could roll back on power loss. FULL syncs the WAL on every commit; batches
-        # amortise that one sync over many blocks.
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute("PRAGMA journal_size_limit=67108864")
+        try:
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"cannot switch the index to WAL mode (got {mode})")
+            # FULL: in WAL mode NORMAL does not sync the WAL at commit, so a commit reported as
+            # durable could roll back on power loss. FULL syncs the WAL on every commit; batches
+            # amortise that one sync over many blocks.
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA journal_size_limit=67108864")
+        except BaseException:
+            # Closed now, not by the cyclic collector (a cursor and its connection refer to
+            # each other), which the daemon runs in full rarely: until then the file stayed
+            # open, a moved-aside index's space not freed by its deletion.
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+            raise
         return db
 
     def _write_meta(self, db: sqlite3.Connection) -> None:
