@@ -75,6 +75,7 @@ from kvtier.tiers.base import (
     WriteOutcome,
 )
 from kvtier.tiers.buffers import load_into, store_from
+from kvtier.tiers.sizes import format_size
 from kvtier.tiers.slab import LockedSlab
 
 log = logging.getLogger(__name__)
@@ -297,12 +298,12 @@ class DeviceTier:
         started = time.monotonic()
         executor = self._self_test()
         log.info(
-            "L0 device arena: %d MiB on %s in %d segments of %d MiB, %d pool streams; "
+            "L0 device arena: %s on %s in %d segments of %s, %d pool streams; "
             "its copy kernel (%s) passed its self-test in %.2f s",
-            self.allocator.capacity_bytes >> 20,
+            format_size(self.allocator.capacity_bytes),
             ops.device,
             self.allocator.num_segments,
-            segment_bytes >> 20,
+            format_size(self.allocator.segment_bytes),
             streams,
             executor,
             time.monotonic() - started,

@@ -36,6 +36,7 @@ from kvtier.tiers.base import (
     WriteOutcomes,
 )
 from kvtier.tiers.buffers import load_into, store_from
+from kvtier.tiers.sizes import format_size
 from kvtier.tiers.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,10 @@ class HostArena:
         self.prefaulted = threading.Event()
         self._prefaulter: threading.Thread | None = None
         log.info(
-            "L1 host arena: %d MiB in %d segments of %d MiB (transparent huge pages: %s)",
-            size >> 20,
+            "L1 host arena: %s in %d segments of %s (transparent huge pages: %s)",
+            format_size(size),
             self.allocator.num_segments,
-            segment_bytes >> 20,
+            format_size(self.allocator.segment_bytes),
             _thp_mode(),
         )
         if pin_cuda:

@@ -757,13 +757,13 @@ class DiskTier:
             self._release_resources()
             raise
         log.info(
-            "L2 disk tier in %s: %d MiB in %d file(s), %d segments of %d MiB, %s I/O, "
+            "L2 disk tier in %s: %s in %d file(s), %d segments of %s, %s I/O, "
             "%d threads; opened in %.2fs",
             self.directory,
-            self.allocator.capacity_bytes >> 20,
+            format_size(self.allocator.capacity_bytes),
             len(self.files.paths),
             self.allocator.num_segments,
-            segment_bytes >> 20,
+            format_size(self.allocator.segment_bytes),
             "O_DIRECT" if self.files.direct else "buffered",
             io_threads,
             time.monotonic() - started,
