@@ -116,6 +116,34 @@ def test_regression_an_index_opened_on_a_full_disk_was_moved_aside(
         assert tier.health().state is Health.OK
 
 
+def test_regression_a_new_index_that_found_no_room_was_moved_aside_in_place_of_the_damaged_one(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged index (no database) on a full disk: moved aside, and the new index made in
+    its place found no room. Its file was left, empty; the open tried again with the reserve
+    given back took it for a damaged index and moved it aside in turn, a second ERROR, and
+    the tier's health and ``index_moved_aside`` named that empty file and "no metadata", not
+    the index moved aside and why. The new index's file is now removed where it could not be
+    made, and the index moved aside first is reported."""
+    directory = small_fs / "l2"
+    DiskTier(directory, 16 * MiB, 1 * MiB).close()
+    (directory / "index.sqlite3").write_bytes(os.urandom(64 << 10))
+    fill_disk(small_fs / "filler")
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+        tier = DiskTier(directory, 16 * MiB, 1 * MiB)
+    with tier:
+        [aside] = [p.name for p in directory.glob("index.sqlite3.corrupt-*")]
+        moved = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+        assert len(moved) == 1 and "SQLITE_NOTADB" in moved[0] and aside in moved[0], moved
+        assert tier.stats().counters["index_moved_aside"] == 1
+        assert "cannot be read (index: SQLITE_NOTADB" in tier.health().detail
+        assert f"moved aside as {aside}" in tier.health().detail
+    (small_fs / "filler").unlink()
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert tier.health().state is Health.OK and len(tier.recover()) == 0
+        assert [p.name for p in directory.glob("index.sqlite3.corrupt-*")] == [aside]
+
+
 def test_regression_an_index_opened_out_of_inodes_was_moved_aside(
     small_fs: Path, make_block: Block
 ) -> None:

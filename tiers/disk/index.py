@@ -251,6 +251,19 @@ class IndexNoRoom(sqlite3.OperationalError):
     sqlite_errorname = "SQLITE_FULL"
 
 
+class IndexNotMade(sqlite3.OperationalError):
+    """A new index (none was found, or the one found was moved aside: ``moved_aside``,
+    ``moved_to``) could not be made, its file removed again so that the next open makes it
+    anew. It carries the failure's SQLite code, read by ``classify`` as that failure's."""
+
+    def __init__(self, cause: sqlite3.Error, moved_aside: str, moved_to: str) -> None:
+        super().__init__(str(cause))
+        self.sqlite_errorcode = getattr(cause, "sqlite_errorcode", 0)
+        self.sqlite_errorname = getattr(cause, "sqlite_errorname", type(cause).__name__)
+        self.moved_aside = moved_aside
+        self.moved_to = moved_to
+
+
 class _NoRoom(Exception):
     """A transaction's ``room`` check refused its commit (``DiskIndex.transaction``)."""
 
@@ -894,12 +907,29 @@ class DiskIndex:
                 with contextlib.suppress(sqlite3.Error):
                     db.close()
             self._move_aside(problem)
-        db = self._connect()
-        db.executescript(_SCHEMA)
-        db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
-        self._write_meta(db)
+        made: sqlite3.Connection | None = None
+        try:
+            made = self._connect()
+            made.executescript(_SCHEMA)
+            made.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
+            self._write_meta(made)
+        except IndexFilesReplaced:
+            raise  # a link at a path: not a file made here
+        except sqlite3.Error as e:
+            # Left, the files (an index empty or without its metadata, a WAL of its schema)
+            # were taken by the next open, the tier's once its reserve was given back for
+            # the room, for a damaged index: moved aside as such, it named the wrong file and
+            # reason in place of the one moved aside here. They hold nothing yet: the next
+            # open makes them anew.
+            if made is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    made.close()
+            for end in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):  # gone, or kept (taken as before)
+                    os.unlink(self.path.with_name(self.path.name + end))
+            raise IndexNotMade(e, self.moved_aside, self.moved_to) from e
         fsync_dir(self._directory)
-        return db
+        return made
 
     def _finish_restore(self) -> None:
         """A write-back (``_restore``) that the daemon's end interrupted left its copy

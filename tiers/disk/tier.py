@@ -114,6 +114,7 @@ from kvtier.tiers.disk.index import (
     BlockRow,
     DiskIndex,
     IndexFilesReplaced,
+    IndexNotMade,
     IndexUpgradeFailed,
     stored_geometry,
 )
@@ -1081,12 +1082,16 @@ class DiskTier:
         shared memory file, 32 KiB, made by the first connection after a clean stop removed
         it), the reserve is given back to the filesystem for it, as for a removal, and the
         open tried once more (made again once there is room). So where the filesystem has no
-        inode for the WAL's files (ENOSPC). Raises TierUnavailable where it still finds no
-        room."""
+        inode for the WAL's files (ENOSPC), and where a new index finds no room (``IndexNotMade``:
+        what that open moved aside is reported as the next one's). Raises TierUnavailable where
+        it still finds no room."""
+        moved = ("", "")  # what an open that failed to make a new index moved aside first
         while True:
             try:
-                return DiskIndex(self.directory, self._geometry(), clock, count=self.faults.count)
+                index = DiskIndex(self.directory, self._geometry(), clock, count=self.faults.count)
             except (sqlite3.Error, OSError) as e:
+                if isinstance(e, IndexNotMade) and e.moved_aside:
+                    moved = (e.moved_aside, e.moved_to)
                 fault = classify(e)
                 if fault.kind != "enospc":
                     raise
@@ -1114,6 +1119,9 @@ class DiskTier:
                     )
                     + f": {room}, then restart"
                 ) from e
+            if moved[0] and not index.moved_aside:
+                index.moved_aside, index.moved_to = moved  # reported as this open's
+            return index
 
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
