@@ -902,6 +902,65 @@ def test_regression_an_index_moved_aside_stayed_open_until_the_collector_ran(
             gc.enable()
 
 
+_EXCLUSIVE_HOLDER = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA locking_mode=EXCLUSIVE")
+db.execute("BEGIN EXCLUSIVE")
+db.execute("SELECT count(*) FROM blocks").fetchone()
+print("holding", flush=True)
+sys.stdin.readline()
+db.execute("COMMIT")
+"""
+
+
+@contextlib.contextmanager
+def _holding(script: str, index: Path) -> Iterator[Callable[[], None]]:
+    """Another process running ``script`` on ``index`` until it prints "holding"; yields a
+    call that lets it end (a line on its stdin) and waits for it to exit 0. Killed where the
+    block ends before."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", script, str(index)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def let_go() -> None:
+        assert other.stdin is not None
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.wait(timeout=30) == 0
+
+    try:
+        assert other.stdout is not None
+        assert other.stdout.readline().strip() == "holding"
+        yield let_go
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+
+
+def test_regression_an_index_another_process_held_locked_at_the_open_was_moved_aside(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holding the index locked past the busy timeout as the tier opened (an
+    operator's sqlite3 shell in exclusive locking mode): the open's SQLITE_BUSY was taken for
+    an index SQLite cannot read, moved aside as corrupt, and the tier started EMPTY, every
+    block lost to a lock. The start is now refused, naming the lock, the index kept."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _holding(_EXCLUSIVE_HOLDER, disk_dir / "index.sqlite3") as let_go:
+        with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*locked"):
+            _open(disk_dir)
+        assert not list(disk_dir.glob("*corrupt*"))
+        let_go()
+    with _open(disk_dir) as tier:
+        assert {bytes(k) for k in tier.recover().keys} == {b[0] for b in blocks.values()}
+
+
 @pytest.mark.parametrize("damage", ["missing", "short", "unreadable"])
 def test_a_damaged_data_file_loses_only_its_own_blocks(
     disk_dir: Path,
@@ -2843,26 +2902,12 @@ def test_regression_a_wal_and_shm_removed_while_open_left_the_tier_blind_to_othe
         for end in removed:
             (disk_dir / f"index.sqlite3{end}").unlink()
         after = _persist(tier, make_block, list(range(5, 10)), 4096)  # the reopen
-        other = subprocess.Popen(
-            [sys.executable, "-c", _OTHER_WRITER, str(disk_dir / "index.sqlite3")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert other.stdout is not None and other.stdin is not None
-            assert other.stdout.readline().strip() == "holding"
+        with _holding(_OTHER_WRITER, disk_dir / "index.sqlite3") as let_go:
             items = _items(tier, make_block, [10], 4096)
             assert not persist(tier, items)[0].ok
             assert tier.health().state == Health.DEGRADED_IO
             assert tier.remove([it.slot for it in items])
-            other.stdin.write("\n")
-            other.stdin.flush()
-            assert other.wait(timeout=30) == 0
-        finally:
-            if other.poll() is None:
-                other.kill()
-                other.wait()
+            let_go()
         later = _persist(tier, make_block, list(range(11, 15)), 4096)
         assert tier.health().state == Health.OK
     finally:

@@ -30,11 +30,12 @@ At open, an index SQLite cannot read or that fails ``quick_check``, or one witho
 metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
 made for another geometry (segment or file size, format, checksum), since its slot numbers
 would mean other bytes. A full disk (SQLITE_FULL, no room for the shared memory file:
-SQLITE_IOERR_SHMSIZE, or no inode for the WAL's files: ENOSPC) is no reason to move one aside:
-the open raises it. A changed capacity alone keeps the index: the rows beyond it are dropped
-by recovery (and the tier keeps the file size the index was made for where the capacity alone
-would change it: ``tier.data_file_bytes``, which reads it with ``stored_geometry``). What
-happened is reported (``moved_aside``), not only logged.
+SQLITE_IOERR_SHMSIZE, or no inode for the WAL's files: ENOSPC) is no reason to move one aside,
+nor is a lock another process holds past the busy timeout (SQLITE_BUSY): the open raises it. A
+changed capacity alone keeps the index: the rows beyond it are dropped by recovery (and the tier
+keeps the file size the index was made for where the capacity alone would change it:
+``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported
+(``moved_aside``), not only logged.
 
 While open, every commit (a block's, a delete's, a quarantine's) checks that the index file,
 its WAL and its shared memory are still the ones its path names (device and inode): SQLite
@@ -891,10 +892,12 @@ class DiskIndex:
             except IndexFilesReplaced:
                 raise  # a link: not an index to move aside
             except sqlite3.Error as e:
-                if classify(e).kind == "enospc":
+                if classify(e).kind in ("enospc", "locked"):
                     # A full disk says nothing of the index (its -shm, or a write of the
-                    # open's, found no room): raised, not moved aside, which would lose every
-                    # block it holds (the tier gives its reserve back for the open).
+                    # open's, found no room), nor does a lock another process held past the
+                    # busy timeout (an operator's sqlite3 shell): raised, not moved aside,
+                    # which would lose every block it holds (the tier gives its reserve back
+                    # for the open; it refuses a locked one's start).
                     if db is not None:
                         with contextlib.suppress(sqlite3.Error):
                             db.close()

@@ -1084,7 +1084,8 @@ class DiskTier:
         open tried once more (made again once there is room). So where the filesystem has no
         inode for the WAL's files (ENOSPC), and where a new index finds no room (``IndexNotMade``:
         what that open moved aside is reported as the next one's). Raises TierUnavailable where
-        it still finds no room."""
+        it still finds no room, or another process holds the index locked past the busy
+        timeout."""
         moved = ("", "")  # what an open that failed to make a new index moved aside first
         while True:
             try:
@@ -1093,6 +1094,12 @@ class DiskTier:
                 if isinstance(e, IndexNotMade) and e.moved_aside:
                     moved = (e.moved_aside, e.moved_to)
                 fault = classify(e)
+                if fault.kind == "locked":
+                    raise TierUnavailable(
+                        f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}):"
+                        " another process holds it locked (an sqlite3 shell?): let it go, then "
+                        "restart"
+                    ) from e
                 if fault.kind != "enospc":
                     raise
                 if self._give_back_reserve("open the index"):
