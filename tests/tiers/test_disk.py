@@ -915,10 +915,10 @@ db.execute("COMMIT")
 
 
 @contextlib.contextmanager
-def _holding(script: str, index: Path) -> Iterator[Callable[[], None]]:
+def _holding(script: str, index: Path) -> Iterator[tuple[Callable[[], None], int]]:
     """Another process running ``script`` on ``index`` until it prints "holding"; yields a
-    call that lets it end (a line on its stdin) and waits for it to exit 0. Killed where the
-    block ends before."""
+    call that lets it end (a line on its stdin) and waits for it to exit 0, and its pid.
+    Killed where the block ends before."""
     other = subprocess.Popen(
         [sys.executable, "-c", script, str(index)],
         stdin=subprocess.PIPE,
@@ -935,7 +935,7 @@ def _holding(script: str, index: Path) -> Iterator[Callable[[], None]]:
     try:
         assert other.stdout is not None
         assert other.stdout.readline().strip() == "holding"
-        yield let_go
+        yield let_go, other.pid
     finally:
         if other.poll() is None:
             other.kill()
@@ -952,10 +952,30 @@ def test_regression_an_index_another_process_held_locked_at_the_open_was_moved_a
     with _open(disk_dir) as tier:
         blocks = _persist(tier, make_block, list(range(4)), 4096)
     monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
-    with _holding(_EXCLUSIVE_HOLDER, disk_dir / "index.sqlite3") as let_go:
+    with _holding(_EXCLUSIVE_HOLDER, disk_dir / "index.sqlite3") as (let_go, _):
         with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*locked"):
             _open(disk_dir)
         assert not list(disk_dir.glob("*corrupt*"))
+        let_go()
+    with _open(disk_dir) as tier:
+        assert {bytes(k) for k in tier.recover().keys} == {b[0] for b in blocks.values()}
+
+
+def test_regression_a_start_refused_for_a_locked_index_did_not_name_the_process_holding_it(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's sqlite3 shell in a write transaction on the index past the busy timeout,
+    as the tier opens with another capacity (which its open records: a write): the start was
+    refused saying only "another process holds it locked (an sqlite3 shell?)", the operator
+    left to find which of the machine's processes. The refusal now names the holder's pid
+    and command (the kernel's list of locks, /proc/locks, gives them)."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _holding(_OTHER_WRITER, disk_dir / "index.sqlite3") as (let_go, pid):
+        with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*locked") as e:
+            DiskTier(disk_dir, 16 * MiB, 1 * MiB, file_bytes=8 * MiB)
+        assert f"holds it locked (pid {pid}, " in str(e.value), str(e.value)
         let_go()
     with _open(disk_dir) as tier:
         assert {bytes(k) for k in tier.recover().keys} == {b[0] for b in blocks.values()}
@@ -2902,7 +2922,7 @@ def test_regression_a_wal_and_shm_removed_while_open_left_the_tier_blind_to_othe
         for end in removed:
             (disk_dir / f"index.sqlite3{end}").unlink()
         after = _persist(tier, make_block, list(range(5, 10)), 4096)  # the reopen
-        with _holding(_OTHER_WRITER, disk_dir / "index.sqlite3") as let_go:
+        with _holding(_OTHER_WRITER, disk_dir / "index.sqlite3") as (let_go, _):
             items = _items(tier, make_block, [10], 4096)
             assert not persist(tier, items)[0].ok
             assert tier.health().state == Health.DEGRADED_IO

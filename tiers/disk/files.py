@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -75,6 +75,46 @@ def probe_lock(path: Path) -> OSError | None:
     finally:
         os.close(fd)  # closing lets go of the lock
     return None
+
+
+def lock_holders(paths: Sequence[Path]) -> str:
+    """The processes but this one that hold a POSIX lock (SQLite's kind) on any of ``paths``,
+    as "pid 1234, sqlite3", from the kernel's list of locks (``/proc/locks``); "" where it
+    lists none (their locks let go since, a process in another pid namespace, or no such
+    list)."""
+    ids = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path, follow_symlinks=False)
+            ids.add((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    pids: list[int] = []
+    for line in lines:
+        # "1: POSIX  ADVISORY  WRITE 1234 08:02:131075 1073741824 1073741824"; a process
+        # waiting for a lock has "->" before its kind.
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "POSIX":
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            found = (int(major, 16), int(minor, 16), int(inode))
+        except ValueError:
+            continue
+        if found in ids and pid > 0 and pid != os.getpid() and pid not in pids:
+            pids.append(pid)
+    named = []
+    for pid in pids:
+        try:
+            command = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            command = "?"
+        named.append(f"pid {pid}, {command}")
+    return "; ".join(named)
 
 
 class FileBackend(Protocol):

@@ -107,6 +107,7 @@ from kvtier.tiers.disk.files import (
     fsync_dir,
     layout,
     lock_exclusive,
+    lock_holders,
 )
 from kvtier.tiers.disk.health import Fault, FaultState, classify
 from kvtier.tiers.disk.index import (
@@ -1095,9 +1096,11 @@ class DiskTier:
                     moved = (e.moved_aside, e.moved_to)
                 fault = classify(e)
                 if fault.kind == "locked":
+                    index_path = self.directory / INDEX_NAME
+                    holders = lock_holders([index_path, index_path.with_name(INDEX_NAME + "-shm")])
                     raise TierUnavailable(
-                        f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}):"
-                        " another process holds it locked (an sqlite3 shell?): let it go, then "
+                        f"cannot open the L2 index {index_path} ({fault.detail}): another process "
+                        f"holds it locked ({holders or 'an sqlite3 shell?'}): let it go, then "
                         "restart"
                     ) from e
                 if fault.kind != "enospc":
