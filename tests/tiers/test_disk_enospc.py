@@ -144,6 +144,27 @@ def test_regression_a_new_index_that_found_no_room_was_moved_aside_in_place_of_t
         assert [p.name for p in directory.glob("index.sqlite3.corrupt-*")] == [aside]
 
 
+def test_regression_a_start_refused_after_moving_a_damaged_index_aside_said_nothing_of_it(
+    small_fs: Path,
+) -> None:
+    """A damaged index (no database) on a full disk with no reserve left to give back: it was
+    moved aside, the new index found no room, and the start was refused as for any full disk,
+    "cannot open the L2 index ... free 0.99 MiB there, then restart", nothing saying that the
+    index was gone (README: a refused start keeps the index as it was); the next start then
+    reported only an index missing beside its data files. The refusal now names the index
+    moved aside, why, and that the next start begins empty."""
+    directory = small_fs / "l2"
+    DiskTier(directory, 16 * MiB, 1 * MiB).close()
+    (directory / "index.sqlite3").write_bytes(os.urandom(64 << 10))
+    (directory / RESERVE_NAME).unlink()
+    fill_disk(small_fs / "filler")
+    with pytest.raises(TierUnavailable, match=r"no index\.reserve is left to give back") as e:
+        DiskTier(directory, 16 * MiB, 1 * MiB)
+    [aside] = [p.name for p in directory.glob("index.sqlite3.corrupt-*")]
+    assert "cannot be read (index: SQLITE_NOTADB" in str(e.value), str(e.value)
+    assert f"moved aside as {aside}" in str(e.value), str(e.value)
+
+
 def test_regression_an_index_opened_out_of_inodes_was_moved_aside(
     small_fs: Path, make_block: Block
 ) -> None:

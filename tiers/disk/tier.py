@@ -1085,8 +1085,8 @@ class DiskTier:
         open tried once more (made again once there is room). So where the filesystem has no
         inode for the WAL's files (ENOSPC), and where a new index finds no room (``IndexNotMade``:
         what that open moved aside is reported as the next one's). Raises TierUnavailable where
-        it still finds no room, or another process holds the index locked past the busy
-        timeout."""
+        it still finds no room (naming an index it moved aside), or another process holds the
+        index locked past the busy timeout."""
         moved = ("", "")  # what an open that failed to make a new index moved aside first
         while True:
             try:
@@ -1120,6 +1120,14 @@ class DiskTier:
                     "df -i): free some there"
                 )
                 kept = (self.directory / RESERVE_NAME).exists()  # its unlink failed
+                # A damaged index this start moved aside is gone whatever the room: said
+                # here, as the next start finds only no index.
+                aside = (
+                    f" (the index found there {moved[0]}: moved aside as {moved[1]}, the next "
+                    "start makes a new, empty one)"
+                    if moved[0]
+                    else ""
+                )
                 raise TierUnavailable(
                     f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}) "
                     + (
@@ -1127,7 +1135,7 @@ class DiskTier:
                         if kept
                         else f"and no {RESERVE_NAME} is left to give back"
                     )
-                    + f": {room}, then restart"
+                    + f"{aside}: {room}, then restart"
                 ) from e
             if moved[0] and not index.moved_aside:
                 index.moved_aside, index.moved_to = moved  # reported as this open's
