@@ -587,6 +587,15 @@ class L1Config:
     high_watermark: float = field(default=0.95, metadata=_opt("float", lo=0.05, hi=1.0))
     low_watermark: float = field(default=0.90, metadata=_opt("float", lo=0.0, hi=1.0))
     pin_memory: str = field(default="auto", metadata=_opt("str", choices=("auto", "true", "false")))
+    prefault: str = field(
+        default="background",
+        metadata=_opt(
+            "str",
+            choices=("background", "none"),
+            doc="fault the arena's pages in on a thread once the daemon serves (background), "
+            "or leave each to its first write (none); a page-locked arena is faulted in anyway",
+        ),
+    )
     policy: str = _tier_policy()
 
     def check(self) -> None:

@@ -315,7 +315,7 @@ def open_tiers(config: Config) -> list[Any]:
                 c1.capacity_bytes,
                 c1.segment_bytes,
                 pin_cuda=_want_pinning(config),
-                prefault="background",
+                prefault=c1.prefault,
             )
         )
     except BaseException:

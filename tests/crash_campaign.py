@@ -579,7 +579,10 @@ class Campaign:
             self.moments["L2 grown at a restart"] += 1
         overrides = self.overrides(rng)
         while True:
-            d = DaemonProcess(self.root, str(self.sockdir / "d.sock"), overrides)
+            # As deployed: L1 pre-faulted on its thread while the daemon recovers and serves.
+            d = DaemonProcess(
+                self.root, str(self.sockdir / "d.sock"), overrides, l1_prefault="background"
+            )
             self.starts += 1
             d.log_path = self.root / f"kvtierd-{self.starts}.log"  # one start's own log
             self.daemon = d

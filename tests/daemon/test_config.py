@@ -1134,3 +1134,10 @@ def test_regression_the_largest_max_message_bytes_taken_stopped_the_start(daemon
     with d.client() as client:
         assert client.health()
     assert "Traceback" not in d.log()
+
+
+def test_l1_prefault_takes_background_or_none_and_names_them_otherwise():
+    assert load_config().tiers.l1.prefault == "background"
+    assert load_config(None, ["tiers.l1.prefault=none"]).tiers.l1.prefault == "none"
+    with pytest.raises(ConfigError, match=r"tiers\.l1\.prefault.*background.*none"):
+        load_config(None, ["tiers.l1.prefault=sync"])
