@@ -2,10 +2,13 @@
 
 ``kvtierd --check-config`` prints them, and ``kvtierd`` runs the same checks before it
 pre-faults its L1 arena or preallocates L2 files, so a config that cannot run fails in
-milliseconds with the key at fault named, not after minutes of page faults.
+milliseconds with the key at fault named, not after minutes of page faults (but for an L2
+index another process holds locked: its read waits for the lock as the tier's open would, up
+to the busy timeout, then the start is refused naming the holder, the tier's refusal).
 
 Each check reads the host (``/proc/meminfo``, the cgroup's memory limit, ``statvfs``, the
-socket's path) and changes nothing: no file is created, no socket is left bound.
+socket's path, the L2 index's geometry read-only) and changes nothing: no file is created, no
+socket is left bound.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvtier.daemon.unixsock import (
     lock_file_problem,
     lock_path,
 )
+from kvtier.tiers.base import TierUnavailable
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
 from kvtier.tiers.disk.tier import owner_problem, space_needed, space_shortfall
@@ -78,9 +82,17 @@ def read_host() -> HostFacts:
 def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
     """Every problem found; empty when the config can run here."""
     host = read_host() if host is None else host
+    # The disk checks run first, listed after the memory checks: where another process holds
+    # the L2 index locked, reading the size its data files keep waits for it (the busy timeout,
+    # as the tier's open) and the lock is named, and the check of an L2 in memory, which reads
+    # the index too, is left out rather than wait as long again.
+    try:
+        disk, l2_locked = _disk(config), False
+    except TierUnavailable as e:
+        disk, l2_locked = [Problem("tiers.l2.path", str(e))], True
     return [
-        *_memory(config, host),
-        *_disk(config),
+        *_memory(config, host, l2=not l2_locked),
+        *disk,
         *_socket(config),
         *_socket_group(config),
         *_tcp(config),
@@ -127,7 +139,9 @@ def summary(config: Config, host: HostFacts | None = None) -> list[str]:
 # ------------------------------------------------------------------------ memory
 
 
-def _memory(config: Config, host: HostFacts) -> list[Problem]:
+def _memory(config: Config, host: HostFacts, l2: bool = True) -> list[Problem]:
+    """The memory L1 takes, with L2's files where they are in memory too (unless ``l2`` is
+    False), and the page-locking it asks for."""
     l1 = config.tiers.l1
     out: list[Problem] = []
     key = "tiers.l1.capacity_bytes"
@@ -152,7 +166,7 @@ def _memory(config: Config, host: HostFacts) -> list[Problem]:
                 "host into swap or the OOM killer",
             )
         )
-    elif (in_memory := _l2_in_memory(config, host)) is not None:
+    elif l2 and (in_memory := _l2_in_memory(config, host)) is not None:
         out.append(in_memory)
     if (
         l1.pin_memory == "true"
@@ -183,8 +197,8 @@ def _l2_in_memory(config: Config, host: HostFacts) -> Problem | None:
         return None
     try:
         l2_bytes = space_needed(directory, l2.capacity_bytes, l2.segment_bytes, l2.file_bytes)
-    except OSError:
-        return None  # the disk checks name what is wrong with the folder
+    except (OSError, TierUnavailable):
+        return None  # the disk checks name what is wrong with the folder (or its index)
     l1_bytes = config.tiers.l1.capacity_bytes
     if l1_bytes + l2_bytes + MEMORY_HEADROOM_BYTES <= host.mem_available_bytes:
         return None
@@ -261,6 +275,9 @@ def _read_int(path: Path) -> int | None:
 
 
 def _disk(config: Config) -> list[Problem]:
+    """What keeps the disk tier from starting in its folder. Raises TierUnavailable where
+    another process holds its index locked past the busy timeout (``space_shortfall``), as
+    the tier's start is refused."""
     l2 = config.tiers.l2
     if not l2.enabled:
         return []

@@ -28,6 +28,8 @@ from peers import NOBODY, NOGROUP, require_root
 from races import ContendedLock
 from races import wait_for as _wait_for
 
+from kvtier.daemon import preflight
+from kvtier.daemon.config import load_config
 from kvtier.tiers.base import (
     BlockRef,
     BlockRefs,
@@ -979,6 +981,73 @@ def test_regression_a_start_refused_for_a_locked_index_did_not_name_the_process_
         let_go()
     with _open(disk_dir) as tier:
         assert {bytes(k) for k in tier.recover().keys} == {b[0] for b in blocks.values()}
+
+
+# An operator's sqlite3 shell in exclusive locking mode that wrote a row: its commit is in the
+# WAL, which no other process may read while it holds the lock.
+_EXCLUSIVE_WRITER = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA locking_mode=EXCLUSIVE")
+db.execute("INSERT OR REPLACE INTO namespaces VALUES (7, 'other')")
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_regression_a_lock_at_the_geometry_read_moved_the_index_aside_as_another_layout(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A start with a smaller capacity (data files of 128 KiB kept, the size the index was
+    made for, where 16 MiB alone makes them 64 KiB) under a lock another process held: the
+    read of the stored geometry waited SQLite's default 5 s, not the open's busy timeout,
+    and took the lock for "no geometry", so the tier chose 64 KiB files and, the lock let go
+    while the open waited, moved the index aside as "another layout (file_bytes 131072 ->
+    65536)": all 8 blocks lost (and the daemon's preflight, reading it the same way, said
+    "config ok"). A lock at the geometry read now refuses the start as one at the open does,
+    naming the holder, after the same timeout, in the preflight as in the tier; the next
+    start keeps the blocks."""
+    seg = 64 * 1024
+    with DiskTier(disk_dir, 32 * MiB, seg, file_bytes=seg) as tier:
+        assert {p.stat().st_size for p in tier.files.paths} == {2 * seg}
+        blocks = _persist(tier, make_block, list(range(8)), 4096)
+    config = load_config(
+        None,
+        [
+            f"server.socket={tmp_path}/s.sock",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={disk_dir}",
+            "tiers.l2.capacity_bytes=16MiB",
+            "tiers.l2.segment_bytes=64KiB",
+            "tiers.l2.file_bytes=64KiB",
+        ],
+    )
+    host = preflight.HostFacts(8 << 30, 16 << 30, None)
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _holding(_EXCLUSIVE_WRITER, disk_dir / "index.sqlite3") as (let_go, pid):
+        assert (disk_dir / "index.sqlite3-wal").stat().st_size > 0
+        problems = [str(p) for p in preflight.check(config, host)]
+        assert len(problems) == 1, problems
+        assert problems[0].startswith("tiers.l2.path: cannot open the L2 index "), problems
+        assert f"holds it locked (pid {pid}, " in problems[0], problems
+        real_init = index_module.DiskIndex.__init__
+
+        def shell_ends_as_the_open_waits(self: object, *a: object, **kw: object) -> None:
+            let_go()
+            real_init(self, *a, **kw)  # type: ignore[arg-type]
+
+        with monkeypatch.context() as m:
+            m.setattr(index_module.DiskIndex, "__init__", shell_ends_as_the_open_waits)
+            with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*locked") as e:
+                DiskTier(disk_dir, 16 * MiB, seg, file_bytes=seg)
+        assert f"holds it locked (pid {pid}, " in str(e.value), str(e.value)
+        let_go()
+    assert preflight.check(config, host) == []
+    with DiskTier(disk_dir, 16 * MiB, seg, file_bytes=seg) as tier:
+        assert tier.stats().counters["index_moved_aside"] == 0
+        assert not list(disk_dir.glob("index.sqlite3.old-*"))
+        assert {p.stat().st_size for p in tier.files.paths} == {2 * seg}
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
 
 @pytest.mark.parametrize("damage", ["missing", "short", "unreadable"])

@@ -34,8 +34,9 @@ SQLITE_IOERR_SHMSIZE, or no inode for the WAL's files: ENOSPC) is no reason to m
 nor is a lock another process holds past the busy timeout (SQLITE_BUSY): the open raises it. A
 changed capacity alone keeps the index: the rows beyond it are dropped by recovery (and the tier
 keeps the file size the index was made for where the capacity alone would change it:
-``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported
-(``moved_aside``), not only logged.
+``tier.data_file_bytes``, which reads it with ``stored_geometry``: a lock there is raised too,
+never taken for an index of no geometry). What happened is reported (``moved_aside``), not only
+logged.
 
 While open, every commit (a block's, a delete's, a quarantine's) checks that the index file,
 its WAL and its shared memory are still the ones its path names (device and inode): SQLite
@@ -194,7 +195,9 @@ NOT_LAYOUT = ("capacity_bytes", "file_bytes_setting")
 def stored_geometry(directory: Path) -> dict[str, str]:
     """The geometry the index in ``directory`` was made for (its ``meta``), read through a
     read-only connection that changes nothing; {} where there is no index, one of its files
-    is a symbolic link, or it cannot be read so (the open then decides what it holds)."""
+    is a symbolic link, or it cannot be read so (the open then decides what it holds).
+    Raises the sqlite3.Error where another process holds it locked past ``BUSY_TIMEOUT_S``
+    (``classify``: "locked"), as the open would: a lock says nothing of what it holds."""
     path = directory / INDEX_NAME
     files = [path.with_name(path.name + end) for end in ("", "-wal", "-shm", "-journal")]
     try:
@@ -202,20 +205,26 @@ def stored_geometry(directory: Path) -> dict[str, str]:
             return {}
         try:
             return _read_meta(f"{path.absolute().as_uri()}?mode=ro")
-        except sqlite3.Error:
+        except sqlite3.Error as e:
             # After a clean stop SQLite must make its shared memory file to read, which a
             # full disk refuses: the size kept was then taken as unknown, and the index, made
             # for files of that size, moved aside as another layout. With the WAL empty
             # (or gone), the index file holds every page: read alone, it is the same meta.
-            if files[1].exists() and files[1].stat().st_size:
-                return {}
+            if classify(e).kind == "locked" or (files[1].exists() and files[1].stat().st_size):
+                raise
             return _read_meta(f"{path.absolute().as_uri()}?immutable=1")
-    except (OSError, sqlite3.Error):
+    except (OSError, sqlite3.Error) as e:
+        # A lock taken for "no geometry" had the tier choose its files' size by the config
+        # alone: with the capacity changed, the index (once let go) moved aside as another
+        # layout, every block lost.
+        if classify(e).kind == "locked":
+            raise
         return {}
 
 
 def _read_meta(uri: str) -> dict[str, str]:
-    db = sqlite3.connect(uri, uri=True)
+    # The open's busy timeout: SQLite's default (5 s) gave up on a lock the open waited out.
+    db = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
     try:
         return {str(k): str(v) for k, v in db.execute("SELECT name, value FROM meta")}
     finally:

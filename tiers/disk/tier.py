@@ -197,9 +197,13 @@ def data_file_bytes(
     above ``MAX_FILES`` files of ``file_bytes`` (1 TiB by default), or across it, moved the
     index aside and started the tier empty. A ``file_bytes`` other than the one the index
     records (``file_bytes_setting``) is the operator's new layout: not kept.
-    (``capacity_bytes``: whole segments.)"""
+    (``capacity_bytes``: whole segments.) Raises TierUnavailable where another process holds
+    the index locked past the busy timeout (``_locked_index``)."""
     chosen = choose_file_bytes(capacity_bytes, segment_bytes, file_bytes)
-    meta = stored_geometry(Path(directory))
+    try:
+        meta = stored_geometry(Path(directory))
+    except sqlite3.Error as e:
+        raise _locked_index(Path(directory), e) from e
     stored = meta.get("file_bytes", "")
     if not stored.isdigit() or int(stored) == chosen:
         return chosen
@@ -217,6 +221,18 @@ def data_file_bytes(
     ):
         return chosen
     return kept
+
+
+def _locked_index(directory: Path, e: Exception) -> TierUnavailable:
+    """The refusal of a start that found the index in ``directory`` locked by another process
+    past the busy timeout (``e``, SQLITE_BUSY or SQLITE_LOCKED), naming the processes that hold
+    it where the kernel lists them (``lock_holders``)."""
+    path = directory / INDEX_NAME
+    holders = lock_holders([path, path.with_name(INDEX_NAME + "-shm")])
+    return TierUnavailable(
+        f"cannot open the L2 index {path} ({classify(e).detail}): another process holds it "
+        f"locked ({holders or 'an sqlite3 shell?'}): let it go, then restart"
+    )
 
 
 class SpaceShortfall(NamedTuple):
@@ -288,7 +304,8 @@ def space_shortfall(
 ) -> SpaceShortfall | None:
     """Whether the filesystem of ``directory`` (made or not) lacks room for a tier of this
     geometry (``space_needed``). The one rule of the daemon's preflight and of ``DiskTier``'s
-    open. Reads only; creates nothing."""
+    open. Reads only; creates nothing. Raises TierUnavailable where another process holds the
+    index locked (``data_file_bytes``)."""
     directory = Path(os.path.abspath(directory))
     data, aux = _space_parts(directory, capacity_bytes, segment_bytes, file_bytes)
     existing = directory
@@ -309,7 +326,8 @@ def space_needed(
 ) -> int:
     """The bytes a tier of this geometry in ``directory`` (made or not) has yet to allocate:
     its data files' bytes not yet allocated, plus ``AUX_RESERVE_BYTES`` less what the tier's
-    other files and the folder already hold. Reads only."""
+    other files and the folder already hold. Reads only. Raises TierUnavailable where another
+    process holds the index locked (``data_file_bytes``)."""
     return sum(_space_parts(Path(directory), capacity_bytes, segment_bytes, file_bytes))
 
 
@@ -595,9 +613,11 @@ class DiskTier:
         full disk, as a disk filling under the tier degrades it.
 
         Raises TierUnavailable when the directory cannot hold the data files (or a new
-        index), the index cannot be opened for want of room (``_open_index``), is in use by
-        another DiskTier or holds an index of an older format that could not be upgraded
-        (left as it was), ValueError for a bad geometry.
+        index), the index cannot be opened for want of room (``_open_index``) or another
+        process holds it locked past the busy timeout (where its geometry is read, or at its
+        open: the start waits that long once), is in use by another DiskTier or holds an index
+        of an older format that could not be upgraded (left as it was), ValueError for a bad
+        geometry.
         """
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, not {io_threads}")
@@ -1096,13 +1116,7 @@ class DiskTier:
                     moved = (e.moved_aside, e.moved_to)
                 fault = classify(e)
                 if fault.kind == "locked":
-                    index_path = self.directory / INDEX_NAME
-                    holders = lock_holders([index_path, index_path.with_name(INDEX_NAME + "-shm")])
-                    raise TierUnavailable(
-                        f"cannot open the L2 index {index_path} ({fault.detail}): another process "
-                        f"holds it locked ({holders or 'an sqlite3 shell?'}): let it go, then "
-                        "restart"
-                    ) from e
+                    raise _locked_index(self.directory, e) from e
                 if fault.kind != "enospc":
                     raise
                 if self._give_back_reserve("open the index"):
