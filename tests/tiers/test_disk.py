@@ -2320,6 +2320,40 @@ def test_regression_a_write_back_cut_short_before_its_rename_is_finished_at_the_
     assert not (disk_dir / "index.sqlite3.restore").exists()
 
 
+def test_regression_a_write_back_cut_short_was_moved_aside_at_a_start_with_another_capacity(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write-back cut short before its rename (the copy whole, no index file), then a start
+    with a smaller capacity (data files of 128 KiB kept, the size the index was made for, where
+    16 MiB alone makes them 64 KiB): the size kept was read from the index file alone, which
+    is missing, so the tier chose 64 KiB files and the copy, put in the index's place by the
+    open, was moved aside as another layout: all 8 blocks lost. The copy's geometry is now
+    read as the index's."""
+    seg = 64 * 1024
+    real_replace = os.replace
+
+    def no_rename_of_the_copy(src: object, dst: object) -> None:
+        if str(src).endswith(index_module.RESTORE_SUFFIX):
+            raise OSError(errno.EIO, "cut short")
+        real_replace(src, dst)  # type: ignore[arg-type]
+
+    with DiskTier(disk_dir, 32 * MiB, seg, file_bytes=seg) as tier:
+        blocks = _persist(tier, make_block, list(range(8)), 4096)
+        (disk_dir / "index.sqlite3").unlink()
+        monkeypatch.setattr(index_module.os, "replace", no_rename_of_the_copy)
+        assert not any(o.ok for o in persist(tier, _items(tier, make_block, [8], 4096)))
+    monkeypatch.undo()
+    assert (disk_dir / "index.sqlite3.restore").is_file()
+    assert not (disk_dir / "index.sqlite3").exists()
+    assert index_module.stored_geometry(disk_dir)["file_bytes"] == str(2 * seg)
+    assert not list(disk_dir.glob("index.sqlite3.restore-*"))  # the read made nothing
+    with DiskTier(disk_dir, 16 * MiB, seg, file_bytes=seg) as again:
+        assert again.faults.snapshot().get("index_restored") == 1
+        assert not again.faults.snapshot().get("index_moved_aside")
+        assert {p.stat().st_size for p in again.files.paths} == {2 * seg}
+        assert _read(again, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
 def test_a_leftover_write_back_copy_beside_an_index_is_removed_at_open(
     disk_dir: Path, make_block: Block
 ) -> None:

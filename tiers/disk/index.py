@@ -196,11 +196,22 @@ def stored_geometry(directory: Path) -> dict[str, str]:
     """The geometry the index in ``directory`` was made for (its ``meta``), read through a
     read-only connection that changes nothing; {} where there is no index, one of its files
     is a symbolic link, or it cannot be read so (the open then decides what it holds).
+    Without an index file, a write-back's whole copy (``RESTORE_SUFFIX``, no journal beside
+    it) is what the open puts in its place (``DiskIndex._finish_restore``): its geometry.
     Raises the sqlite3.Error where another process holds it locked past ``BUSY_TIMEOUT_S``
     (``classify``: "locked"), as the open would: a lock says nothing of what it holds."""
     path = directory / INDEX_NAME
     files = [path.with_name(path.name + end) for end in ("", "-wal", "-shm", "-journal")]
+    copy = path.with_name(path.name + RESTORE_SUFFIX)
     try:
+        if not os.path.lexists(path) and copy.is_file() and not copy.is_symlink():
+            # Read from the index file alone, the size kept was unknown: with the capacity
+            # changed, the copy put in place was moved aside as another layout, every block
+            # lost. Read alone (immutable): nothing writes a whole copy, and a connection in
+            # WAL mode would leave a WAL and shared memory beside it.
+            if os.path.lexists(copy.with_name(copy.name + "-journal")):
+                return {}  # cut short: not used
+            return _read_meta(f"{copy.absolute().as_uri()}?immutable=1")
         if not path.is_file() or any(f.is_symlink() for f in files):
             return {}
         try:
