@@ -7,8 +7,9 @@ index another process holds locked: its read waits for the lock as the tier's op
 to the busy timeout, then the start is refused naming the holder, the tier's refusal).
 
 Each check reads the host (``/proc/meminfo``, the cgroup's memory limit, ``statvfs``, the
-socket's path, the L2 index's geometry read-only) and changes nothing: no file is created, no
-socket is left bound.
+socket's path, the L2 index's geometry through a read-only connection) and changes nothing
+the daemon keeps: no socket is left bound, no data file or index created (reading a WAL index
+leaves SQLite's empty ``-wal`` and ``-shm`` beside it, as any reader does).
 """
 
 from __future__ import annotations
