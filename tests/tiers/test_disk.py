@@ -803,6 +803,43 @@ def test_regression_a_release_gave_back_a_quarantined_slot_whose_free_was_under_
         assert {r.key for r in tier.recover()} == {blocks[0][0], other[3][0], again[2][0]}
 
 
+def test_regression_a_release_gave_back_a_slot_whose_free_began_while_its_extent_was_checked(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release looked for slots on their way to ``remove`` (``_freeing``) only before it
+    checked the extents: a free begun during the check (a Get that held the quarantined slot
+    of a replaced recovered row ended) found the slot given back, and that free's ``remove``
+    then released it again under the block handed it meanwhile, which the next block written
+    there overwrote (two blocks of one slot; the first gone after a restart). A release now
+    leaves such a slot held, as one whose free began before, and a later one gives it back."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 65_536)
+        slot = blocks[1][1]
+        _flip(tier, slot)
+        assert _read(tier, {1: blocks[1]}) == {1: None}
+        check = tier._check_extents
+
+        def free_begins_meanwhile(held: dict[int, int]) -> dict[int, str]:
+            tier.removing([slot])
+            return check(held)
+
+        monkeypatch.setattr(tier, "_check_extents", free_begins_meanwhile)
+        out = tier.release_quarantined()
+        monkeypatch.undo()
+        assert out.released == []
+        assert [(q.slot, q.reason) for q in out.kept] == [
+            (slot, "release: its free was not done yet")
+        ]
+        other = _persist(tier, make_block, [2], 65_536)
+        assert other[2][1] != slot
+        assert tier.remove([slot])  # the free under way
+        again = _persist(tier, make_block, [3], 65_536)
+        assert again[3][1] not in (slot, other[2][1])
+        assert tier.release_quarantined().released == [slot]
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[0][0], other[2][0], again[3][0]}
+
+
 def test_regression_a_failed_read_on_a_full_disk_let_a_release_end_the_full_disks_fault(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

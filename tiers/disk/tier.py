@@ -1675,6 +1675,15 @@ class DiskTier:
                 except sqlite3.Error as e:
                     self.faults.fault(classify(e), what)
             with self._state_lock:
+                # A free begun while the extents were checked (``removing``): given back, the
+                # slot would be released again by that free's ``remove``, under the block
+                # handed it meanwhile. Held in memory only (its rows are dropped: a restart
+                # finds it free), as one whose free began before; a later release gives it back.
+                late = [s for s in passed if s in self._freeing]
+                if late:
+                    passed = [s for s in passed if s not in self._freeing]
+                    failed.update(dict.fromkeys(late, "its free was not done yet"))
+                    in_flight.update(late)
                 self._tried.update(slot for slot in failed if slot not in in_flight)
                 # Their block rows are gone with the drop: handed out, a slot left here
                 # would lose its new row to the next block commit.
