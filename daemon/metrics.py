@@ -279,6 +279,13 @@ COUNTERS: dict[str, MetricDef] = {
         "Requests whose client cancelled them or whose deadline passed; they ran to their "
         "end and their answers were dropped.",
     ),
+    "requests_dropped": _c(
+        "kvtier_requests_dropped_total",
+        (),
+        "Requests whose client cancelled them or whose deadline passed while they waited "
+        "where they had changed nothing yet (a Delete waiting for L2's recovery); cancelled "
+        "there, as if they had never come.",
+    ),
     "requests_unreceived": _c(
         "kvtier_requests_unreceived_total",
         (),

@@ -22,7 +22,10 @@ Invariants:
 - A request runs to its end even when its client cancels it or its deadline passes (the
   answer is dropped): the store's state is never left halfway between two awaits (slots
   freed while a copy still writes them, a delete that forgot blocks but not their slots).
-  Shutdown waits for such requests before it closes the store, within its bound: past
+  One still waiting where it has changed nothing (``daemon/droppable.py``: a Delete waiting
+  for L2's recovery) is dropped instead, as if it had never come: it would hold its request
+  for an answer no one reads for as long as the wait lasts. Shutdown waits for the requests
+  left to run before it closes the store, within its bound: past
   ``server.drain_timeout_s`` plus the flush's timeout plus ``server.stop_grace_s`` (a disk
   write that never returns) the process exits with ``EXIT_STOP_ABANDONED`` as a crash would,
   after logging the blocks it abandons (``Daemon.stop``; a thread of its own ends one whose
@@ -70,6 +73,7 @@ from kvtier.daemon.credentials import (
     cred_socket_path,
 )
 from kvtier.daemon.cuda_pools import open_opener
+from kvtier.daemon.droppable import mark_request, unmark_request
 from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import (
     DeadlineExceeded,
@@ -261,9 +265,15 @@ def _rpc(
                 # names a session already gone and is told NOT_FOUND, as if it never existed.
                 raise Unavailable("the daemon is stopping; it takes no new requests")
             # A client that cancels (or whose deadline passes) gets no answer, but the request
-            # runs to its end: the store's steps between awaits are not undone halfway. It
-            # starts at once and needs a task of its own only if it waits for something.
-            work = eager_future(fn(self, request, context))
+            # runs to its end: the store's steps between awaits are not undone halfway. One
+            # that waits where it has changed nothing yet (``droppable.unchanged_wait``) is
+            # dropped there instead. It starts at once and needs a task of its own only if it
+            # waits for something.
+            mark, token = mark_request()
+            try:
+                work = eager_future(fn(self, request, context))
+            finally:
+                unmark_request(token)
             try:
                 if work.done():
                     # It never waited (most small requests): nothing to shield, nor to await.
@@ -272,9 +282,13 @@ def _rpc(
                     return await asyncio.shield(work)
                 except asyncio.CancelledError:
                     if not work.done():
-                        self.detach(method, work)
+                        if mark.droppable(work):
+                            self.drop(work)
+                        else:
+                            self.detach(method, work)
                     raise
             finally:
+                mark.ended()
                 # The future holds the handler's exception, whose traceback holds this frame:
                 # a cycle keeping the request alive until a full collection.
                 del work
@@ -340,6 +354,12 @@ class KVTierServicer:
         self._streams: dict[str, _SessionStream] = {}
         # Requests whose client went away before they ended (see the module invariants).
         self.detached: set[asyncio.Future[Any]] = set()
+
+    def drop(self, work: asyncio.Future[Any]) -> None:
+        """Cancel a request whose client cancelled it while it waited where it had changed
+        nothing yet (``droppable.unchanged_wait``): it unwinds at once, undoing nothing."""
+        work.cancel()
+        self.service.counters["requests_dropped"] += 1
 
     def detach(self, method: str, work: asyncio.Future[Any]) -> None:
         """Let a request whose client cancelled it finish on its own."""

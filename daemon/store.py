@@ -49,6 +49,7 @@ import numpy as np
 
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
+from kvtier.daemon.droppable import unchanged_wait
 from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import (
     FailedPrecondition,
@@ -2059,8 +2060,9 @@ class BlockStore:
         the keys back at the next start."""
         words = _distinct(words)
         if self._recovery is not None:
-            # A key whose row was not read yet would come back after its delete.
-            await self.recovered.wait()
+            # A key whose row was not read yet would come back after its delete. Nothing is
+            # done yet: a Delete whose client leaves meanwhile is dropped, not kept waiting.
+            await unchanged_wait(self.recovered.wait())
             if self._recovery_cut:
                 # Its rows left unread stay in the index: done now, it would report keys
                 # deleted that the next start brings back.
