@@ -73,7 +73,7 @@ from kvtier.daemon.credentials import (
     cred_socket_path,
 )
 from kvtier.daemon.cuda_pools import open_opener
-from kvtier.daemon.droppable import mark_request, unmark_request
+from kvtier.daemon.droppable import droppable
 from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import (
     DeadlineExceeded,
@@ -269,11 +269,8 @@ def _rpc(
             # that waits where it has changed nothing yet (``droppable.unchanged_wait``) is
             # dropped there instead. It starts at once and needs a task of its own only if it
             # waits for something.
-            mark, token = mark_request()
-            try:
-                work = eager_future(fn(self, request, context))
-            finally:
-                unmark_request(token)
+            handler = fn(self, request, context)
+            work = eager_future(handler)
             try:
                 if work.done():
                     # It never waited (most small requests): nothing to shield, nor to await.
@@ -282,16 +279,15 @@ def _rpc(
                     return await asyncio.shield(work)
                 except asyncio.CancelledError:
                     if not work.done():
-                        if mark.droppable(work):
+                        if droppable(handler):
                             self.drop(work)
                         else:
                             self.detach(method, work)
                     raise
             finally:
-                mark.ended()
                 # The future holds the handler's exception, whose traceback holds this frame:
                 # a cycle keeping the request alive until a full collection.
-                del work
+                del work, handler
         except KvtierError as e:
             if isinstance(e, NotFound) and self.closing.is_set():
                 # A request that ran into its session's end as the daemon stops (its pool or

@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kvtier.daemon.droppable import Request, mark_request, unchanged_wait, unmark_request
+import grpc
+
+from kvtier.daemon.droppable import droppable, unchanged_wait
 from kvtier.daemon.eager import eager_future
+from kvtier.daemon.server import KVTierServicer
+from kvtier.daemon.store import DeleteResult
+from kvtier.proto import kvtier_pb2 as pb
 
 
-def _start(handler: Callable[[], Coroutine[Any, Any, Any]]) -> tuple[Request, asyncio.Future]:
-    """Start ``handler`` as ``server._rpc`` starts a request: marked, and eagerly."""
-    mark, token = mark_request()
-    try:
-        work = eager_future(handler())
-    finally:
-        unmark_request(token)
-    return mark, work
+def _start(
+    handler: Callable[[], Coroutine[Any, Any, Any]],
+) -> tuple[Coroutine[Any, Any, Any], asyncio.Future]:
+    """Start ``handler`` as ``server._rpc`` starts a request: eagerly."""
+    coro = handler()
+    return coro, eager_future(coro)
+
+
+async def _passes(n: int = 3) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
 
 
 async def test_a_request_is_droppable_only_while_it_waits_where_it_changed_nothing():
@@ -29,11 +39,11 @@ async def test_a_request_is_droppable_only_while_it_waits_where_it_changed_nothi
         await later.wait()  # a wait after a change: the request runs to its end
         return "done"
 
-    mark, work = _start(handler)
-    assert mark.droppable(work)
+    coro, work = _start(handler)
+    assert droppable(coro)
     gate.set()
     await changed.wait()
-    assert not mark.droppable(work)
+    assert not droppable(coro)
     later.set()
     assert await work == "done"
 
@@ -48,13 +58,14 @@ async def test_a_wait_after_the_first_suspension_is_droppable_and_the_drop_undoe
         await unchanged_wait(gate.wait())
         steps.append("changed")
 
-    mark, work = _start(handler)
-    assert not mark.droppable(work)
+    coro, work = _start(handler)
+    assert not droppable(coro)
     await waiting.wait()
-    assert mark.droppable(work)
+    assert droppable(coro)
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
     assert work.cancelled() and steps == []
+    assert not droppable(coro)
 
 
 async def test_a_request_started_on_the_stack_of_another_eager_start_is_droppable():
@@ -66,19 +77,18 @@ async def test_a_request_started_on_the_stack_of_another_eager_start_is_droppabl
     started: list[asyncio.Future] = []
 
     async def rpc() -> None:
-        mark, work = _start(lambda: unchanged_wait(gate.wait()))
+        coro, work = _start(lambda: unchanged_wait(gate.wait()))
         started.append(work)
         try:
             await asyncio.shield(work)
         except asyncio.CancelledError:
-            asked.append(mark.droppable(work))
+            asked.append(droppable(coro))
             work.cancel()
             raise
 
     outer = eager_future(rpc())
     assert isinstance(outer, asyncio.Task)
-    await asyncio.sleep(0)  # the rest of rpc runs in its task now
-    outer.cancel()
+    outer.cancel()  # at once: the wait is the request's from its start
     await asyncio.gather(outer, return_exceptions=True)
     assert asked == [True]
     await asyncio.gather(*started, return_exceptions=True)
@@ -87,21 +97,97 @@ async def test_a_request_started_on_the_stack_of_another_eager_start_is_droppabl
 
 async def test_a_wait_in_a_task_the_request_started_does_not_make_it_droppable():
     gate, own = asyncio.Event(), asyncio.Event()
-    spawned: list[asyncio.Task] = []
+    spawned: list[asyncio.Future] = []
 
     async def handler() -> None:
-        # The task runs in a copy of the request's context, which holds its mark.
+        # Each runs in a copy of the request's context; the eager one on its stack at first.
         spawned.append(asyncio.ensure_future(unchanged_wait(gate.wait())))
+        spawned.append(eager_future(unchanged_wait(gate.wait())))
         await own.wait()
 
-    mark, work = _start(handler)
-    assert len(spawned) == 1
-    await asyncio.sleep(0)  # the spawned task waits now
-    assert not spawned[0].done() and not mark.droppable(work)
+    coro, work = _start(handler)
+    await _passes()  # the spawned tasks wait now
+    assert not any(task.done() for task in spawned)
+    assert not droppable(coro)
     gate.set()
     own.set()
     await asyncio.gather(work, *spawned)
 
 
+async def test_a_wait_that_does_not_suspend_leaves_the_request_as_it_was():
+    """A Delete once recovery has ended: no suspension, nothing left recorded."""
+    done = asyncio.Event()
+    done.set()
+    coro, work = _start(lambda: unchanged_wait(done.wait()))
+    assert work.done() and work.result() is True and not droppable(coro)
+
+
 async def test_outside_a_request_it_is_a_plain_await():
     assert await unchanged_wait(asyncio.sleep(0, "slept")) == "slept"
+
+
+class _Context:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
+        raise grpc.aio.AbortError()
+
+
+def test_regression_a_wait_in_a_task_a_request_started_eagerly_dropped_the_request():
+    """A request that started a task eagerly (``eager_future``, as ``store.delete`` starts its
+    removal from the shared tiers) was dropped for that task's ``unchanged_wait``: the wait
+    ran on the request's stack, was recorded as the request's own, and the request, which had
+    changed state meanwhile, was cancelled halfway as its client left. It runs to its end."""
+    gate, later = asyncio.Event(), asyncio.Event()
+    steps: list[str] = []
+
+    class Service:
+        def __init__(self) -> None:
+            self.counters: Counter[str] = Counter()
+
+        async def delete(self, *args: object) -> DeleteResult:
+            spawned = eager_future(unchanged_wait(gate.wait()))
+            steps.append("changed")
+            await later.wait()
+            steps.append("ended")
+            await spawned
+            return DeleteResult(deleted=1, missing=0, busy=0)
+
+    service = Service()
+    servicer = KVTierServicer(service, 10)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        call = asyncio.ensure_future(servicer.Delete(pb.DeleteRequest(), _Context()))
+        await _passes()
+        assert steps == ["changed"]
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        assert service.counters["requests_dropped"] == 0
+        assert service.counters["requests_detached"] == 1
+        later.set()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*servicer.detached), 5)
+        assert steps == ["changed", "ended"]
+
+    asyncio.run(run())
+
+
+def test_regression_every_request_set_a_context_variable_only_a_delete_in_recovery_used():
+    """Every request made a mark object and set a context variable for it (``_rpc``), some
+    6,000 instructions a call, 1-2% of a one-key Lookup's in the daemon, for the few Deletes
+    that wait for L2's recovery. A request's handler runs in its caller's context unchanged."""
+    seen: list[contextvars.Context] = []
+
+    class Service:
+        counters: Counter[str] = Counter()
+
+        async def delete(self, *args: object) -> DeleteResult:
+            seen.append(contextvars.copy_context())
+            return DeleteResult(deleted=0, missing=1, busy=0)
+
+    servicer = KVTierServicer(Service(), 10)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        caller = contextvars.copy_context()
+        await servicer.Delete(pb.DeleteRequest(), _Context())
+        assert dict(seen[0]) == dict(caller)
+
+    asyncio.run(run())
