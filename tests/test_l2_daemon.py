@@ -1268,19 +1268,18 @@ def test_regression_deletes_cancelled_while_recovery_was_held_stayed_until_it_en
             for call in left:
                 call.cancel()
 
-            def ended() -> int:
-                stats = client.stats()
-                return stats.counter("requests_dropped") + stats.counter("requests_detached")
-
-            wait_for(lambda: ended() == len(left))
-            stats = client.stats()
-            assert stats.counter("requests_detached") == 0
-            assert stats.counter("requests_dropped") == len(left)
+            # The small ones wait for recovery by now; a large one may still have waited for
+            # its turn, where its cancel ends it before its handler runs (counted neither).
+            small = len(left) // 2
+            wait_for(lambda: client.stats().counter("requests_dropped") >= small)
             assert not kept.done()
             gate.unlink()
             h.wait_recovered()
             got = kept.result(30)
             assert (got.deleted, got.missing) == (1, 0)
+            stats = client.stats()
+            assert stats.counter("requests_detached") == 0
+            assert small <= stats.counter("requests_dropped") <= len(left)
             assert client.lookup(ks[:1]).tiers == [Tier.L2_DISK]  # no dropped Delete ran
             assert client.lookup(ks[1:]).tiers == [Tier.ABSENT]
             assert client.check(settle_s=5).problems == []
