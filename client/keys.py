@@ -31,6 +31,20 @@ from kvtier.client.errors import InvalidArgumentError
 KEY_BYTES = 32
 _NS_TAG = b"kvtier-namespace-v1"
 _BLOCK_TAG = b"kvtier-block-v1"
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as protobuf and the key seed read an integer (``operator.index``), or None
+    for a bool or anything else: not whether its type has ``__index__``, since an array's or
+    a tensor's refuses floats and more than one element with a TypeError."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 # The namespace's fields as its seed hashes them: ``str(s)`` and ``u32(x)``.
 _STR_FIELDS = ("model", "revision", "kv_dtype", "kv_layout", "tenant", "extra")
 _U32_FIELDS = ("block_tokens", "tp_rank", "tp_size", "pp_rank", "pp_size")
@@ -80,13 +94,7 @@ class Namespace:
                 ) from None
         for name in _U32_FIELDS:
             number = getattr(self, name)
-            try:
-                # Not whether its type has ``__index__``: an array's or a tensor's refuses
-                # floats and more than one element with a TypeError.
-                value = None if isinstance(number, (bool, np.bool_)) else operator.index(number)
-            except TypeError:
-                value = None
-            if value is None:
+            if (value := as_int(number)) is None:
                 raise InvalidArgumentError(
                     f"namespace {name}: expected int, not {type(number).__name__}"
                 )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-import operator
 import os
 import re
 from collections.abc import Callable, Iterable, MutableSequence, Sequence, Sized
@@ -22,7 +21,7 @@ from google.protobuf.message import Message
 
 from kvtier import paths
 from kvtier.client.errors import InvalidArgumentError
-from kvtier.client.keys import KEY_BYTES
+from kvtier.client.keys import KEY_BYTES, as_int
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPES as _DTYPES
@@ -383,12 +382,9 @@ def checked_int(value: object, what: str, minimum: int | None = None) -> int:
     """``value`` as an int: Python's, NumPy's or anything else with ``__index__``, but not a
     bool (protobuf's rule for every integer field, kept for the client's own arguments) nor
     a float, which ``int()`` would truncate; InvalidArgumentError naming ``what`` otherwise."""
-    if isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentError(f"{what}: expected int, not bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(f"{what}: expected int, not {type(value).__name__}") from None
+    if (number := as_int(value)) is None:
+        kind = "bool" if isinstance(value, np.bool_) else type(value).__name__
+        raise InvalidArgumentError(f"{what}: expected int, not {kind}")
     if minimum is not None and number < minimum:
         raise InvalidArgumentError(f"{what}: must be at least {minimum} (got {shown(number)})")
     return number
@@ -541,7 +537,7 @@ def _field_problem(message: Any, name: str, value: object) -> str | None:
             what, low, high = held
             items = value if repeated and isinstance(value, Iterable) else (value,)
             for item in items:
-                number = _as_int(item)
+                number = as_int(item)
                 if number is not None and not low <= number <= high:
                     return f"{name}: value out of range: {shown(number)} ({what})"
         return f"{name}: {_protobuf_text(e)}"
@@ -570,16 +566,6 @@ def int_field_range(message: Any, name: str) -> tuple[int, int]:
     when the connector is built, not refused at every call."""
     _, low, high = _INT_FIELDS[message.DESCRIPTOR.fields_by_name[name].cpp_type]
     return low, high
-
-
-def _as_int(value: object) -> int | None:
-    """``value`` as protobuf reads an integer (``__index__``, not a bool); None otherwise."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def _protobuf_text(error: Exception) -> str:
