@@ -1217,7 +1217,11 @@ class SpaceManager:
             )
 
     def free_held(
-        self, level: Level, slots: list[int], holds: list[tuple[int, int]]
+        self,
+        level: Level,
+        slots: list[int],
+        holds: list[tuple[int, int]],
+        repeats: list[int] | None = None,
     ) -> asyncio.Task[bool]:
         """``release`` of ``slots`` (dropped copies' slots of a persistent tier), then
         ``end_holds`` of ``holds``, as a background task (``spawn``) that a caller awaits
@@ -1227,19 +1231,9 @@ class SpaceManager:
         (``release`` False, or raised) the slots stay taken, and so does the room they hold
         in their owners' quotas (a put of an owner at its quota would take it, find no free
         slot, and evict another tenant's block for one), until ``retry_frees`` frees them.
-        The slots of ``read_held`` whose blocks nobody holds now go with them, in the same
-        release: a block's current copy freed (a Delete, an eviction; neither takes a block
-        held) must not leave its earlier row behind in the index, where a crash would have
-        the next start serve the bytes it held."""
-        repeats = self._idle_read_held(level) if self.read_held else []
-        return self._free_held(level, slots, holds, repeats)
-
-    def _free_held(
-        self, level: Level, slots: list[int], holds: list[tuple[int, int]], repeats: list[int]
-    ) -> asyncio.Task[bool]:
-        """``free_held`` of ``slots`` and ``repeats``: slots taken out of ``read_held``,
-        rows recovery replaced, counted as ``recovered_repeats_dropped`` once freed, as the
-        others it drops are (``BlockStore._drop_repeated``)."""
+        ``repeats``: slots taken out of ``read_held`` (``free_read_held``), rows recovery
+        replaced, freed with them and counted as ``recovered_repeats_dropped`` once freed,
+        as the others it drops are (``BlockStore._drop_repeated``)."""
         if repeats:
             slots = [*slots, *repeats]
         # Before the free is tried: a put of one of their keys that commits first drops the
@@ -1377,7 +1371,7 @@ class SpaceManager:
                 # No quota holds: the table counts the copies that replaced them. Outside any
                 # request's log context: the slots are recovery's, not those of the request
                 # whose hold ended last (its line is the daemon's, as ``retry_frees``' is).
-                contextvars.Context().run(self._free_held, level, [], [], idle)
+                contextvars.Context().run(self.free_held, level, [], [], idle)
 
     def _idle_read_held(self, level: Level) -> list[int]:
         """Take out of ``read_held`` the slots of ``level`` whose blocks nobody holds now (no

@@ -3265,7 +3265,8 @@ async def test_regression_a_delete_after_a_held_recovered_slot_left_its_older_ro
     until nobody holds the block (``SpaceManager.read_held``). Once the Get ended, a Delete
     of the key, answered, freed the later row's slot but left the earlier row in the index
     until the balancer's next pass: a crash then, and the next start served the key again,
-    with the bytes deleted before that put. The earlier row goes with the Delete's free."""
+    with the bytes deleted before that put. The earlier row goes as the Get's hold ends
+    (``free_read_held``), before the Delete can run."""
     clock = Clock()
     pool, key, medium, _, again, _, getting, read_go = await _recovered_held(
         make_store, monkeypatch, clock
