@@ -1,7 +1,9 @@
 """Real ``redis-server`` processes on loopback, for the L3 benchmark and tests.
 
 ``RedisServer`` is one server in its own folder, on a free loopback port, with a config file
-written there (a password, if any, goes in that file, never on a command line).
+written there (a password, if any, goes in that file, never on a command line). A port taken
+by another process between its choice and the server's bind (its log says so as it exits)
+is chosen afresh, as long as nobody has been told it yet: at a server's first start.
 ``RedisClusterProcs`` is N such servers joined into a Redis Cluster with ``redis-cli --cluster
 create`` (masters only, or with ``replicas`` per master). Both are context managers and stop every process they started;
 each server also dies with the process that started it (Linux parent-death signal), so a
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,9 +51,25 @@ def redis_binaries() -> tuple[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now (all bound at once, then let go): free when
+    chosen, not when used, as anything on the machine may bind one meanwhile."""
+    with contextlib.ExitStack() as stack:
+        held = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            held.append(int(s.getsockname()[1]))
+        return held
+
+
+# A server whose ports were taken between their choice and its bind starts again on fresh
+# ones, this many times in all.
+START_ATTEMPTS = 5
+_IN_USE = re.compile(r"Failed listening on port (\d+) \((\w+)\)")
 
 
 @dataclass(frozen=True)
@@ -94,9 +113,23 @@ def _dying_with_parent(argv: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv
 
 
+class PortInUse(RedisProcError):
+    """The server exited because one of its ports was bound by another socket."""
+
+    def __init__(self, message: str, port: int, kind: str) -> None:
+        super().__init__(message)
+        self.port = port
+        self.kind = kind
+
+
 class RedisServer:
     """One ``redis-server``. ``start()`` (again after ``kill()`` or ``stop()``: same port,
-    same folder, empty data) and ``stop()``; ``kill()`` is a crash (SIGKILL)."""
+    same folder, empty data) and ``stop()``; ``kill()`` is a crash (SIGKILL).
+
+    Ports not given are chosen with ``choose_ports`` (n distinct ports free now). One taken
+    by another process before the server binds it makes the first ``start()`` choose them
+    again and retry (``START_ATTEMPTS`` in all), so ``port`` and ``url`` are the server's
+    once it has started; a port given, or one that served, is kept: its loss is an error."""
 
     def __init__(
         self,
@@ -109,19 +142,32 @@ class RedisServer:
         extra_config: str = "",
         cluster_node_timeout_ms: int = 1000,
         tls: TlsFiles | None = None,
+        choose_ports: Callable[[int], list[int]] = free_ports,
     ) -> None:
         self.server_bin, self.cli_bin = redis_binaries()
         self.tls = tls
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
         self.cluster = cluster
         self.password = password
         self.maxmemory_bytes = maxmemory_bytes
         self.extra_config = extra_config
         self.cluster_node_timeout_ms = cluster_node_timeout_ms
-        self.cluster_port = free_port() if cluster else 0
+        self.choose_ports = choose_ports
+        # The cluster bus port is given too (not the default port + 10000, which nothing
+        # checked was free).
+        self.port, self.cluster_port = port or 0, 0
+        self._ports_kept = bool(port)
+        self._choose_ports()
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _choose_ports(self) -> None:
+        n = (0 if self._ports_kept else 1) + (1 if self.cluster else 0)
+        chosen = self.choose_ports(n) if n else []
+        if not self._ports_kept:
+            self.port = chosen.pop(0)
+        if self.cluster:
+            self.cluster_port = chosen.pop(0)
 
     @property
     def url(self) -> str:
@@ -175,11 +221,36 @@ class RedisServer:
     def start(self, timeout_s: float = 15.0) -> None:
         if self.running:
             return
+        if self._ports_kept:
+            self._start_once(timeout_s)
+            return
+        taken = []
+        for attempt in range(START_ATTEMPTS):
+            if attempt:
+                # What the failed server wrote of itself names the ports it did not get.
+                with contextlib.suppress(FileNotFoundError):
+                    (self.dir / "nodes.conf").unlink()
+                self._choose_ports()
+            try:
+                self._start_once(timeout_s)
+            except PortInUse as e:
+                taken.append(f"{e.port} ({e.kind})")
+                continue
+            self._ports_kept = True
+            return
+        raise RedisProcError(
+            f"redis-server in {self.dir} found its port taken on each of {START_ATTEMPTS} "
+            f"starts, on fresh ports each time: {', '.join(taken)} in use"
+        )
+
+    def _start_once(self, timeout_s: float) -> None:
         conf = self._write_config()
         # Nothing persisted is wanted back: a restart is an empty server.
         for name in ("dump.rdb", "appendonly.aof"):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
+        log = self.dir / "redis.log"
+        logged = log.stat().st_size if log.exists() else 0
         # What the server says before its log file is open goes here.
         with open(self.dir / "redis.stderr", "wb") as err:
             self.proc = subprocess.Popen(
@@ -188,15 +259,28 @@ class RedisServer:
                 stdout=err,
                 stderr=subprocess.STDOUT,
             )
+        # Another server that holds the port would answer a PING: ready is this one's pid.
+        ours = f"process_id:{self.proc.pid}"
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
+                said = ""
+                with contextlib.suppress(FileNotFoundError), open(log, "rb") as f:
+                    f.seek(logged)
+                    said = f.read().decode(errors="replace")
+                failed = _IN_USE.search(said)
+                if failed and "Address already in use" in said:
+                    raise PortInUse(
+                        f"redis-server in {self.dir}: port {failed[1]} ({failed[2]}) in use",
+                        int(failed[1]),
+                        failed[2],
+                    )
                 early = (self.dir / "redis.stderr").read_text(errors="replace").strip()
                 raise RedisProcError(
                     f"redis-server on port {self.port} exited with {self.proc.returncode}: "
                     f"{early[-500:] or '(nothing on stderr)'}; log: {self.log_tail()}"
                 )
-            if self.cli("PING", check=False).strip() == "PONG":
+            if ours in self.cli("INFO", "server", check=False).split():
                 return
             if time.monotonic() > deadline:
                 self.kill()
@@ -291,6 +375,7 @@ class RedisClusterProcs:
         replicas: int = 0,
         node_timeout_ms: int = 1000,
         extra_config: str = "",
+        choose_ports: Callable[[int], list[int]] = free_ports,
     ) -> None:
         self.dir = Path(workdir)
         self.replicas = replicas
@@ -301,6 +386,7 @@ class RedisClusterProcs:
                 cluster=True,
                 cluster_node_timeout_ms=node_timeout_ms,
                 extra_config=extra_config,
+                choose_ports=choose_ports,
             )
             for i in range(masters * (1 + replicas))
         ]

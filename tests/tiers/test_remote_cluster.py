@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import subprocess
 import time
 from collections import defaultdict
@@ -41,7 +42,7 @@ from redis_servers import (
     wait_for,
 )
 
-from kvtier.bench.redis_proc import RedisClusterProcs
+from kvtier.bench.redis_proc import RedisClusterProcs, free_ports
 from kvtier.daemon import loops
 from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health, TierUnavailable
@@ -142,6 +143,39 @@ async def test_blocks_spread_over_every_master_and_round_trip(
         assert all(60.0 <= age < 100.0 for age in ages[20:])
     counts = [int(n.cli("DBSIZE").strip()) for n in redis_cluster.nodes]
     assert all(c > 0 for c in counts), counts
+
+
+async def test_regression_a_cluster_whose_chosen_ports_were_taken_failed_to_form(
+    tmp_path_factory: pytest.TempPathFactory, l3_prefix: str
+) -> None:
+    """A node's port, or its bus port, chosen free and bound by another process (another
+    test's server or connection) before the node bound it: the node exited with "Address
+    already in use" and the fixture's setup failed. The node now starts on fresh ports."""
+    with contextlib.ExitStack() as stack:
+        taken = []
+        for _ in range(2):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            taken.append(int(s.getsockname()[1]))
+        # The first node's port and the second's bus port are taken, once.
+        firsts = [[taken[0], *free_ports(1)], [*free_ports(1), taken[1]]]
+        cluster = RedisClusterProcs(
+            tmp_path_factory.mktemp("redis-cluster-taken"),
+            masters=3,
+            choose_ports=lambda n: firsts.pop(0) if firsts else free_ports(n),
+        )
+        cluster.start()
+        try:
+            assert not {p for n in cluster.nodes for p in (n.port, n.cluster_port)} & set(taken)
+            chain, nbytes = [ref(i) for i in range(16)], 4096
+            src = [data(i, nbytes) for i in range(16)]
+            async with opened(cluster_options(cluster, l3_prefix)) as tier:
+                assert await tier.write(chain, nbytes, host(src)) == [True] * 16
+                dest = empty(16, nbytes)
+                assert await tier.read(chain, nbytes, host(dest)) == [True] * 16
+                assert [bytes(d) for d in dest] == src
+        finally:
+            cluster.stop()
 
 
 def ids_in_one_slot(namer: KeyNamer, count: int) -> tuple[int, list[int]]:
