@@ -456,6 +456,7 @@ class Model:
 from disk_faults import fill_disk  # noqa: E402 - tests/ is the script's folder
 from harness import DaemonProcess  # noqa: E402
 
+from kvtier.bench.redis_proc import RedisServer  # noqa: E402
 from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME  # noqa: E402
 
 # What the daemon logs when a persistent tier could not free slots (``SpaceManager``): the
@@ -487,7 +488,7 @@ class Campaign:
             path.write_text(f"a-long-enough-secret-for-tenant-{t}\n")
             path.chmod(0o600)
             self.tokens[t] = path
-        self.redis: subprocess.Popen[bytes] | None = None
+        self.redis: RedisServer | None = None
         self.clients: list[subprocess.Popen[bytes]] = []
         self.redis_port = 0
         self.daemon: DaemonProcess | None = None
@@ -505,35 +506,10 @@ class Campaign:
     # -- processes
 
     def start_redis(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.redis_port = s.getsockname()[1]
-        self.redis = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.root),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while (
-            subprocess.run(
-                ["redis-cli", "-p", str(self.redis_port), "ping"], capture_output=True, text=True
-            ).stdout.strip()
-            != "PONG"
-        ):
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+        # RedisServer chooses its port again if another process takes it before the bind.
+        self.redis = RedisServer(self.root / "redis")
+        self.redis.start()
+        self.redis_port = self.redis.port
 
     def overrides(self, rng: random.Random) -> list[str]:
         tenants = ", ".join(f"{{name: {t}, token_file: {self.tokens[t]}}}" for t in TENANTS)
@@ -960,7 +936,6 @@ class Campaign:
             self.daemon.kill()
         if self.redis is not None:
             self.redis.kill()
-            self.redis.wait()
         self.unmount()
         if not self.args.keep:
             shutil.rmtree(self.root, ignore_errors=True)

@@ -4,11 +4,13 @@ journals of the clients and in the reads after a restart, without a daemon."""
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,3 +212,57 @@ def test_regression_rounds_with_clients_in_recovery_check_the_durable_puts_answe
     # Not a pass by missing the window: some puts sent during recovery were answered persisted.
     acks = re.findall(r"persisted acks of puts sent during recovery (\d+)", out)
     assert sum(map(int, acks)) > 0, out[-6000:]
+
+
+_STARTS_REDIS = """
+import argparse, sys
+sys.path.insert(0, sys.argv[1])
+from crash_campaign import Campaign
+args = argparse.Namespace(full_disk_every=0, l3_every=1, workdir=sys.argv[2], keep=False)
+campaign = Campaign(args)
+campaign.start_redis()
+redis = campaign.redis
+print(getattr(redis, "proc", redis).pid, campaign.redis_port, flush=True)
+sys.stdin.read()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_regression_the_campaigns_redis_server_outlived_a_killed_campaign(tmp_path):
+    # The campaign started redis-server itself: on a port that another process could take
+    # before the bind (then it waited 10 s and said "did not start", or took another
+    # server's PONG for its own), and without the parent-death signal, so a campaign killed
+    # (a CI timeout) left it running. It starts a RedisServer now, which chooses its port
+    # again when taken (tests/bench/test_redis_proc.py) and dies with the campaign.
+    tests = str(Path(__file__).parent)
+    campaign = subprocess.Popen(
+        [sys.executable, "-c", _STARTS_REDIS, tests, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid = 0
+    try:
+        assert campaign.stdout is not None
+        pid, port = map(int, campaign.stdout.readline().split())
+        ping = ["redis-cli", "-p", str(port), "PING"]
+        assert subprocess.run(ping, capture_output=True, text=True, timeout=30).stdout == "PONG\n"
+        campaign.kill()
+        campaign.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _gone(pid):
+            assert time.monotonic() < deadline, "the campaign's redis-server outlived it"
+            time.sleep(0.02)
+    finally:
+        if campaign.poll() is None:
+            campaign.kill()
+            campaign.wait()
+        if pid and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
