@@ -280,11 +280,21 @@ class RedisServer:
                     f"redis-server on port {self.port} exited with {self.proc.returncode}: "
                     f"{early[-500:] or '(nothing on stderr)'}; log: {self.log_tail()}"
                 )
-            if ours in self.cli("INFO", "server", check=False).split():
+            # Whatever holds the port may never answer (a hung server, a silent listener):
+            # wait for an answer a moment at a time, and see between whether ours exited.
+            left_s = deadline - time.monotonic()
+            try:
+                info = self.cli("INFO", "server", check=False, timeout_s=min(1.0, max(left_s, 0.1)))
+            except subprocess.TimeoutExpired:
+                info = ""
+            if ours in info.split():
                 return
             if time.monotonic() > deadline:
                 self.kill()
-                raise RedisProcError(f"redis-server on port {self.port} did not answer PING")
+                raise RedisProcError(
+                    f"redis-server on port {self.port} did not answer INFO with its {ours} "
+                    f"in {timeout_s} s"
+                )
             time.sleep(0.02)
 
     @property

@@ -117,3 +117,24 @@ def test_ports_taken_at_every_start_end_it_naming_them(
     assert not isinstance(e.value, PortInUse) and not server.running
     # Each start stops at its first port taken: the server's own.
     assert all(f"{p} (TCP)" in str(e.value) for p in ports[::2]), e.value
+
+
+def test_regression_a_port_taken_by_a_listener_that_never_answers_hung_the_start(
+    tmp_path: Path,
+) -> None:
+    """A port taken by a listening socket that never answers (a hung or paused server, a
+    test's silent one): the readiness check's redis-cli waited 30 s for that socket's INFO
+    answer, past the start's own timeout, and raised subprocess.TimeoutExpired instead of
+    seeing the server exit and choosing fresh ports. It now waits for an answer for a
+    moment at a time, watching the server between."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        taken = int(silent.getsockname()[1])
+        server = RedisServer(tmp_path / "r", choose_ports=taken_first(taken))
+        try:
+            server.start(timeout_s=10)
+            assert server.port != taken
+            assert serves(server)
+        finally:
+            server.stop()
