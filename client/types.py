@@ -279,7 +279,15 @@ def checked_address(address: str) -> str:
     'Failed to create channel', after its core printed a line of its own), none at all, or a
     relative one in the URI form (the same failure: "unix://run/x.sock" names a host); a
     TCP port past 65535 (gRPC took it modulo 65536: ``localhost:99999`` connected to port
-    34463, and sent a tenant's token to whatever listened there)."""
+    34463, and sent a tenant's token to whatever listened there); one not encodable as UTF-8
+    (a byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
+    gRPC cannot take (UnicodeEncodeError)."""
+    try:
+        address.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(
+            f"address {address!r}: not encodable as UTF-8 (gRPC takes only UTF-8 addresses)"
+        ) from None
     path = unix_socket_path(address)
     if path is None and (tcp := _HOST_PORT.fullmatch(address)) is not None:
         # Read as a number only where it may be a port: int() refuses one past 4,300 digits

@@ -1457,6 +1457,24 @@ def test_regression_an_address_no_daemon_can_have_was_taken(capsys, address, say
     assert code == 3 and says in err
 
 
+@pytest.mark.parametrize("address", ["unix:/tmp/kvtierd\udcff.sock", "localhost\udcff:8080"])
+def test_regression_an_address_not_encodable_as_utf8_raised_unicode_encode_error(capsys, address):
+    """An address with a byte that is not UTF-8 (in ``--address`` or ``$KVTIER_ADDRESS``,
+    which Python decodes to a lone surrogate) raised UnicodeEncodeError from the client's
+    constructor (the Unix path's length check, or gRPC's channel), no client error, and the
+    CLI exited with its traceback. gRPC takes only UTF-8 targets: refused, naming it."""
+    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+
+    says = r"^address .*: not encodable as UTF-8 \(gRPC takes only UTF-8 addresses\)$"
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match=says):
+            make(address)
+    with pytest.raises(InvalidArgumentError, match=says):
+        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and "not encodable as UTF-8" in err
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
