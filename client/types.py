@@ -281,13 +281,19 @@ def checked_address(address: str) -> str:
     TCP port past 65535 (gRPC took it modulo 65536: ``localhost:99999`` connected to port
     34463, and sent a tenant's token to whatever listened there); one not encodable as UTF-8
     (a byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
-    gRPC cannot take (UnicodeEncodeError)."""
+    gRPC cannot take (UnicodeEncodeError); one holding a NUL character, which gRPC reads
+    only up to there (``localhost:99999`` and a NUL, which no check below matched, went to
+    port 34463 too)."""
     try:
         address.encode()
     except UnicodeEncodeError:
         raise InvalidArgumentError(
             f"address {address!r}: not encodable as UTF-8 (gRPC takes only UTF-8 addresses)"
         ) from None
+    if "\0" in address:
+        raise InvalidArgumentError(
+            f"address {address!r}: holds a NUL character (gRPC would read it only up to there)"
+        )
     path = unix_socket_path(address)
     if path is None and (tcp := _HOST_PORT.fullmatch(address)) is not None:
         # Read as a number only where it may be a port: int() refuses one past 4,300 digits

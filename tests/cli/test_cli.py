@@ -1475,6 +1475,26 @@ def test_regression_an_address_not_encodable_as_utf8_raised_unicode_encode_error
     assert code == 3 and "not encodable as UTF-8" in err
 
 
+@pytest.mark.parametrize(
+    "address", ["localhost:99999\x00", "localhost:8080\x00x", "unix:/tmp/kvtierd.sock\x00x"]
+)
+def test_regression_an_address_holding_a_nul_was_read_up_to_it(address):
+    """gRPC reads an address only up to a NUL character, but the check read all of it: an
+    address holding one was taken. ``localhost:99999`` and a NUL passed the port check (the
+    NUL is no digit, so no TCP form matched) and went to port 34463 (99999 modulo 65536),
+    ``localhost:8080`` and a NUL and anything after it went to port 8080, and a Unix socket
+    path with a NUL raised Python's ValueError (embedded null byte) from the credential
+    socket's check, no client error. Refused before anything is sent."""
+    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+
+    says = r"^address .*: holds a NUL character \(gRPC would read it only up to there\)$"
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match=says):
+            make(address)
+    with pytest.raises(InvalidArgumentError, match=says):
+        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
