@@ -241,8 +241,13 @@ MAX_UNIX_PATH_BYTES = 107
 
 
 # "host:port", "[v6]:port", "dns:[//authority/]host:port" and one "ipv4:"/"ipv6:" address:
-# the TCP forms whose port is checked (gRPC's other target forms are left to gRPC).
-_HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):([0-9]+)")
+# the TCP forms whose port is checked (gRPC's other target forms are left to gRPC). The port
+# as gRPC reads it: spaces around it and a '+' before it skipped, a query or fragment after
+# it dropped (each of those left the port unchecked, and gRPC took it modulo 65536).
+_HOST_PORT = re.compile(
+    r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):\s*\+?([0-9]+)\s*(?:[?#].*)?",
+    re.DOTALL,
+)
 
 
 def unix_socket_path(address: str) -> str | None:

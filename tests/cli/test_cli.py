@@ -1495,6 +1495,37 @@ def test_regression_an_address_holding_a_nul_was_read_up_to_it(address):
         wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
 
 
+@pytest.mark.parametrize(
+    "address",
+    [
+        "localhost:99999 ",
+        "localhost:99999\n",
+        "localhost:\t99999",
+        "localhost:+99999",
+        "localhost:99999?x",
+        "127.0.0.1:99999#x",
+        "dns:///localhost:+99999 ",
+    ],
+)
+def test_regression_a_port_grpc_reads_with_a_sign_space_or_query_skipped_the_check(address):
+    """The port check matched only a port of bare digits at the address's end; gRPC reads a
+    port with spaces around it or a '+' before it, and drops a query or fragment after it:
+    each of these passed as a form left to gRPC, which took port 99999 modulo 65536 and
+    connected to port 34463 (a trailing space or newline from a config file or
+    ``$KVTIER_ADDRESS`` is enough). Refused as the bare port is; one in range is taken."""
+    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+    from kvtier.client.types import checked_address
+
+    says = r": port 99999 is not a TCP port \(1 to 65535\)$"
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match=says):
+            make(address)
+    with pytest.raises(InvalidArgumentError, match=says):
+        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    in_range = address.replace("99999", "8080")
+    assert checked_address(in_range) == in_range
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
