@@ -100,6 +100,9 @@ class Namespace:
                 )
             if not 0 <= value <= 0xFFFFFFFF:
                 raise InvalidArgumentError(f"namespace {name}: must lie in [0, 2**32)")
+            # The int itself: a 0-d array kept as given made the namespace unhashable, and a
+            # tensor hashed it by its identity, unlike the equal namespace of the int.
+            object.__setattr__(self, name, value)
         if not self.model:
             raise ValueError("namespace model must not be empty")
         if self.block_tokens < 1:

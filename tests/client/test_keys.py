@@ -197,3 +197,25 @@ def test_regression_an_int_field_whose_type_has_index_but_is_no_integer_raised_t
     assert Namespace(model="m", kv_dtype="float16", block_tokens=torch.tensor(4)).seed() == (
         Namespace(model="m", kv_dtype="float16", block_tokens=4).seed()
     )
+
+
+@pytest.mark.parametrize(
+    "number",
+    [
+        pytest.param(np.array(4), id="np.array(4)"),
+        pytest.param(torch.tensor(4), id="torch.tensor(4)"),
+        pytest.param(np.uint32(4), id="np.uint32(4)"),
+    ],
+)
+def test_regression_a_namespace_given_an_integer_array_or_tensor_hashed_wrong(number):
+    """An int field given a 0-d integer array or tensor (an integer, as NumPy's scalars are)
+    kept it as given: a namespace of ``np.array(4)`` raised TypeError (unhashable) as a dict
+    key or set member, and one of ``torch.tensor(4)`` compared equal to the namespace of 4
+    but hashed by the tensor's identity, so a dict keyed by namespaces missed it. The field
+    holds the integer, a Python int, whatever type gave it."""
+    plain = Namespace(model="m", kv_dtype="float16", block_tokens=4, tp_size=4, tp_rank=3)
+    ns = Namespace(model="m", kv_dtype="float16", block_tokens=number, tp_size=number, tp_rank=3)
+    assert ns == plain and hash(ns) == hash(plain)
+    assert {plain: "pool"}[ns] == "pool"
+    assert type(ns.block_tokens) is int and type(ns.tp_size) is int
+    assert repr(ns) == repr(plain)
