@@ -1427,6 +1427,18 @@ def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(ca
     assert code == 3 and "at most 107 bytes" in err
 
 
+def _refused_by_every_client(address: str, says: str) -> None:
+    """``address`` is InvalidArgumentError matching ``says`` from both clients' constructors
+    and from ``wait_until_serving`` (at once: waiting will not mend it)."""
+    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match=says):
+            make(address)
+    with pytest.raises(InvalidArgumentError, match=says):
+        wait_until_serving(address, timeout_s=30)
+
+
 @pytest.mark.parametrize(
     "address, says",
     [
@@ -1446,13 +1458,7 @@ def test_regression_an_address_no_daemon_can_have_was_taken(capsys, address, say
     tenant's token to whatever listened there). 'unix://kvtierd.sock' (the URI form of a
     relative path, which gRPC reads as a host) failed each call with UNKNOWN 'Failed to
     create channel', health with status 1. All are refused before anything is sent."""
-    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
-
-    for make in (Client, AsyncClient):
-        with pytest.raises(InvalidArgumentError, match=says):
-            make(address)
-    with pytest.raises(InvalidArgumentError, match=says):
-        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    _refused_by_every_client(address, says)
     code, _, err = run_main(capsys, "--address", address, "health")
     assert code == 3 and says in err
 
@@ -1463,14 +1469,8 @@ def test_regression_an_address_not_encodable_as_utf8_raised_unicode_encode_error
     which Python decodes to a lone surrogate) raised UnicodeEncodeError from the client's
     constructor (the Unix path's length check, or gRPC's channel), no client error, and the
     CLI exited with its traceback. gRPC takes only UTF-8 targets: refused, naming it."""
-    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
-
     says = r"^address .*: not encodable as UTF-8 \(gRPC takes only UTF-8 addresses\)$"
-    for make in (Client, AsyncClient):
-        with pytest.raises(InvalidArgumentError, match=says):
-            make(address)
-    with pytest.raises(InvalidArgumentError, match=says):
-        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    _refused_by_every_client(address, says)
     code, _, err = run_main(capsys, "--address", address, "health")
     assert code == 3 and "not encodable as UTF-8" in err
 
@@ -1485,14 +1485,8 @@ def test_regression_an_address_holding_a_nul_was_read_up_to_it(address):
     ``localhost:8080`` and a NUL and anything after it went to port 8080, and a Unix socket
     path with a NUL raised Python's ValueError (embedded null byte) from the credential
     socket's check, no client error. Refused before anything is sent."""
-    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
-
     says = r"^address .*: holds a NUL character \(gRPC would read it only up to there\)$"
-    for make in (Client, AsyncClient):
-        with pytest.raises(InvalidArgumentError, match=says):
-            make(address)
-    with pytest.raises(InvalidArgumentError, match=says):
-        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    _refused_by_every_client(address, says)
 
 
 @pytest.mark.parametrize(
@@ -1513,15 +1507,10 @@ def test_regression_a_port_grpc_reads_with_a_sign_space_or_query_skipped_the_che
     each of these passed as a form left to gRPC, which took port 99999 modulo 65536 and
     connected to port 34463 (a trailing space or newline from a config file or
     ``$KVTIER_ADDRESS`` is enough). Refused as the bare port is; one in range is taken."""
-    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
     from kvtier.client.types import checked_address
 
     says = r": port 99999 is not a TCP port \(1 to 65535\)$"
-    for make in (Client, AsyncClient):
-        with pytest.raises(InvalidArgumentError, match=says):
-            make(address)
-    with pytest.raises(InvalidArgumentError, match=says):
-        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    _refused_by_every_client(address, says)
     in_range = address.replace("99999", "8080")
     assert checked_address(in_range) == in_range
 
