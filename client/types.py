@@ -242,10 +242,12 @@ MAX_UNIX_PATH_BYTES = 107
 
 # "host:port", "[v6]:port", "dns:[//authority/]host:port" and one "ipv4:"/"ipv6:" address:
 # the TCP forms whose port is checked (gRPC's other target forms are left to gRPC). The port
-# as gRPC reads it: spaces around it and a '+' before it skipped, a query or fragment after
-# it dropped (each of those left the port unchecked, and gRPC took it modulo 65536).
+# as gRPC reads it: spaces around it skipped, a sign before it (group 1: "-" or none; a
+# negative one it takes modulo 65536 too), a query or fragment after it dropped (each of
+# those left the port unchecked, and gRPC took it modulo 65536).
 _HOST_PORT = re.compile(
-    r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):\s*\+?([0-9]+)\s*(?:[?#].*)?",
+    r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):"
+    r"\s*(?:\+|(-))?([0-9]+)\s*(?:[?#].*)?",
     re.DOTALL,
 )
 
@@ -283,8 +285,9 @@ def checked_address(address: str) -> str:
     that no socket can have (gRPC took such a channel and failed each call with UNKNOWN
     'Failed to create channel', after its core printed a line of its own), none at all, or a
     relative one in the URI form (the same failure: "unix://run/x.sock" names a host); a
-    TCP port past 65535 (gRPC took it modulo 65536: ``localhost:99999`` connected to port
-    34463, and sent a tenant's token to whatever listened there); one not encodable as UTF-8
+    TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
+    to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
+    there); one not encodable as UTF-8
     (a byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
     gRPC cannot take (UnicodeEncodeError); one holding a NUL character, which gRPC reads
     only up to there (``localhost:99999`` and a NUL, which no check below matched, went to
@@ -303,10 +306,11 @@ def checked_address(address: str) -> str:
     if path is None and (tcp := _HOST_PORT.fullmatch(address)) is not None:
         # Read as a number only where it may be a port: int() refuses one past 4,300 digits
         # (Python's ValueError, untyped).
-        port = tcp.group(1).lstrip("0")
-        if len(port) > 5 or not 0 < int(port or "0") < 65536:
+        minus, digits = tcp.group(1) or "", tcp.group(2)
+        port = digits.lstrip("0")
+        if minus or len(port) > 5 or not 0 < int(port or "0") < 65536:
             raise InvalidArgumentError(
-                f"address {address}: port {tcp.group(1)} is not a TCP port (1 to 65535)"
+                f"address {address}: port {minus}{digits} is not a TCP port (1 to 65535)"
             )
     if path is not None:
         if not path:

@@ -1515,6 +1515,28 @@ def test_regression_a_port_grpc_reads_with_a_sign_space_or_query_skipped_the_che
     assert checked_address(in_range) == in_range
 
 
+@pytest.mark.parametrize(
+    "address, port",
+    [
+        ("localhost:-1", "-1"),
+        ("localhost: -31073", "-31073"),
+        ("127.0.0.1:-0", "-0"),
+        ("[::1]:-1", "-1"),
+        ("dns:///localhost:-1?x", "-1"),
+    ],
+)
+def test_regression_a_port_with_a_minus_sign_skipped_the_check(capsys, address, port):
+    """gRPC reads a port with a '-' before it as a negative number and takes it modulo
+    65536, as it does one past 65535: ``localhost:-1`` connected to port 65535 and
+    ``localhost:-31073`` to 34463 (sending a tenant's token to whatever listened there),
+    but the check skipped a '-' as it had a '+', and took them. No TCP port is negative:
+    refused, naming the port as given."""
+    says = rf": port {port} is not a TCP port \(1 to 65535\)$"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and f"port {port} is not a TCP port" in err
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
