@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable, MutableSequence, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
+from urllib.parse import unquote
 
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
@@ -244,7 +245,8 @@ MAX_UNIX_PATH_BYTES = 107
 # the TCP forms whose port is checked (gRPC's other target forms are left to gRPC). The port
 # as gRPC reads it: spaces around it skipped, a sign before it (group 1: "-" or none; a
 # negative one it takes modulo 65536 too), a query or fragment after it dropped (each of
-# those left the port unchecked, and gRPC took it modulo 65536).
+# those left the port unchecked, and gRPC took it modulo 65536). Matched against the address
+# with its %XX escapes decoded, as gRPC reads a target as a URI and decodes them first.
 _HOST_PORT = re.compile(
     r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):"
     r"\s*(?:\+|(-))?([0-9]+)\s*(?:[?#].*)?",
@@ -287,8 +289,8 @@ def checked_address(address: str) -> str:
     relative one in the URI form (the same failure: "unix://run/x.sock" names a host); a
     TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
     to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
-    there); one not encodable as UTF-8
-    (a byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
+    there; written with %XX escapes too, which gRPC decodes); one not encodable as UTF-8 (a
+    byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
     gRPC cannot take (UnicodeEncodeError); one holding a NUL character, which gRPC reads
     only up to there (``localhost:99999`` and a NUL, which no check below matched, went to
     port 34463 too)."""
@@ -303,7 +305,7 @@ def checked_address(address: str) -> str:
             f"address {address!r}: holds a NUL character (gRPC would read it only up to there)"
         )
     path = unix_socket_path(address)
-    if path is None and (tcp := _HOST_PORT.fullmatch(address)) is not None:
+    if path is None and (tcp := _HOST_PORT.fullmatch(unquote(address))) is not None:
         # Read as a number only where it may be a port: int() refuses one past 4,300 digits
         # (Python's ValueError, untyped).
         minus, digits = tcp.group(1) or "", tcp.group(2)

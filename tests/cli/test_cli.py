@@ -1537,6 +1537,31 @@ def test_regression_a_port_with_a_minus_sign_skipped_the_check(capsys, address, 
     assert code == 3 and f"port {port} is not a TCP port" in err
 
 
+@pytest.mark.parametrize(
+    "address, port",
+    [
+        ("localhost:9999%39", "99999"),
+        ("localhost%3A99999", "99999"),
+        ("dns:///localhost:%2B99999", "99999"),
+        ("localhost:99999%20", "99999"),
+        ("127.0.0.1:%2D1", "-1"),
+    ],
+)
+def test_regression_a_percent_encoded_port_skipped_the_check(capsys, address, port):
+    """gRPC reads an address as a URI and decodes its %XX escapes before it reads the port:
+    ``localhost:9999%39`` (or ``localhost%3A99999``) connected to port 34463, 99999 modulo
+    65536, but the check matched the escaped text, which is no TCP form, and took it. The
+    port is read as gRPC reads it: refused, naming it decoded; one in range is taken."""
+    from kvtier.client.types import checked_address
+
+    says = rf": port {port} is not a TCP port \(1 to 65535\)$"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and f"port {port} is not a TCP port" in err
+    in_range = "localhost:808%30"
+    assert checked_address(in_range) == in_range
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
