@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,6 +104,15 @@ class DaemonProcess:
 
     def client(self, **kwargs: object) -> Client:
         return Client(self.address, **kwargs)  # type: ignore[arg-type]
+
+    def tcp_address(self) -> str:
+        """``host:port`` of the daemon's TCP listener as its start line names it: the port
+        it took where ``server.tcp_address`` asked for port 0. A test lets the daemon take
+        one so: a port a test found free and let go may be bound by any process before the
+        daemon binds it (other workers' daemons and Redis servers do)."""
+        found = re.search(r"kvtierd listening on unix:\S+, ([^\s;,\"]+:\d+)", self.log())
+        assert found, f"no TCP listener in the daemon's start line:\n{self.log()}"
+        return found.group(1)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -5,7 +5,6 @@ serves every other call meanwhile; once the watches close, others open again."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -50,17 +49,14 @@ def test_a_client_opening_watches_in_a_loop_meets_the_bounds_and_others_are_serv
     """A watch needs no session, over TCP no token either (listening on TCP needs a tenant,
     which these watches never name)."""
     total, per_peer = 6, 4
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     _, tenants = tenant_token(tmp_path, "t")
     d = daemon_factory(
         tenants,
-        f"server.tcp_address=127.0.0.1:{port}",
+        "server.tcp_address=127.0.0.1:0",
         f"server.max_health_watches={total}",
         f"server.max_health_watches_per_peer={per_peer}",
     )
-    tcp = grpc.insecure_channel(f"127.0.0.1:{port}")
+    tcp = grpc.insecure_channel(d.tcp_address())
     unix = grpc.insecure_channel(d.address)
     try:
         # Over TCP the peer's host is known: it gets per_peer watches.

@@ -385,22 +385,20 @@ def test_the_credential_socket_survives_silent_and_hostile_clients(daemon_factor
 
 
 def test_a_session_over_tcp_needs_a_token_and_registers_no_memory(daemon_factory, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     token, tenants = tenant_token(tmp_path, "remote")
-    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    d = daemon_factory("server.tcp_address=127.0.0.1:0", tenants)
+    tcp = d.tcp_address()
     from kvtier.client import Client
 
-    with Client(f"127.0.0.1:{port}") as client, pytest.raises(UnauthenticatedError, match="token"):
+    with Client(tcp) as client, pytest.raises(UnauthenticatedError, match="token"):
         client.stats()
     with (
-        Client(f"127.0.0.1:{port}", token="a-wrong-secret-of-some-length") as client,
+        Client(tcp, token="a-wrong-secret-of-some-length") as client,
         pytest.raises(UnauthenticatedError, match="not any tenant's"),
     ):
         client.stats()
     with (
-        Client(f"127.0.0.1:{port}", token_file=str(token)) as client,
+        Client(tcp, token_file=str(token)) as client,
         SharedMemoryPool.for_layout(LAYOUT) as shm,
     ):
         assert client.tenant == "remote"
@@ -411,7 +409,7 @@ def test_a_session_over_tcp_needs_a_token_and_registers_no_memory(daemon_factory
     named = SharedMemoryPool.for_layout(LAYOUT, backing="shm")
     try:
         with (
-            Client(f"127.0.0.1:{port}", token_file=str(token)) as client,
+            Client(tcp, token_file=str(token)) as client,
             pytest.raises(PermissionDeniedError),
         ):
             client.register_pool(named, LAYOUT)

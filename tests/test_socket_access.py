@@ -8,6 +8,7 @@ import configparser
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -810,10 +811,18 @@ def test_a_daemon_started_beside_a_live_one_names_it_and_leaves_it_untouched(tmp
     named; the first one's socket, TCP port and metrics port stay its own."""
     _, tenants = tenant_token(tmp_path, "t")
     path = str(tmp_path / "d.sock")
-    ports = [f"server.tcp_address=127.0.0.1:{_free_port()}", f"metrics.address={_free_port()}"]
-    overrides = ["tiers.l1.capacity_bytes=64MiB", tenants, *ports]
+    # The ports the first one took (ports chosen before its start may be taken by then).
+    overrides = [
+        "tiers.l1.capacity_bytes=64MiB",
+        tenants,
+        "server.tcp_address=127.0.0.1:0",
+        "metrics.address=0",
+    ]
     first = DaemonProcess(tmp_path, path, [a for o in overrides for a in ("--set", o)]).start()
     try:
+        metrics = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/", first.log())
+        assert metrics, first.log()
+        ports = [f"server.tcp_address={first.tcp_address()}", f"metrics.address={metrics[1]}"]
         before = os.lstat(path)
         second = _kvtierd(path, tenants, *ports)
         out, _ = second.communicate(timeout=120)

@@ -8,7 +8,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -597,14 +596,14 @@ def test_drain_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
 
 
 def _daemon_with_tenant_over_tcp(daemon_factory, tmp_path):
-    """A daemon with one tenant, ``t``, that also listens on a free TCP port of 127.0.0.1:
-    the daemon, the port and the tenant's token file (the tests run as root, an admin on the
-    Unix socket; a tenant is reached over TCP with its token)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """A daemon with one tenant, ``t``, that also listens on a TCP port of 127.0.0.1 (one it
+    took: port 0): the daemon, the port and the tenant's token file (the tests run as root, an
+    admin on the Unix socket; a tenant is reached over TCP with its token)."""
     token, tenants = tenant_token(tmp_path, "t")
-    return daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants), port, token
+    d = daemon_factory("server.tcp_address=127.0.0.1:0", tenants)
+    host, port = d.tcp_address().rsplit(":", 1)
+    assert host == "127.0.0.1", host
+    return d, int(port), token
 
 
 def test_drain_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path, capsys):
@@ -1086,14 +1085,11 @@ def test_regression_health_said_degraded_to_a_user_the_daemon_opens_no_session(
     states: a user the daemon opens no session (in no tenant; over TCP without a token)
     exited 1, which says a tier is degraded. The daemon serves: 0, saying the states went
     unread and why."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     _, tenants = tenant_token(tmp_path, "t")
-    daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
-    out = kvtier_here(capsys, "--address", f"127.0.0.1:{port}", "health")
+    tcp = daemon_factory("server.tcp_address=127.0.0.1:0", tenants).tcp_address()
+    out = kvtier_here(capsys, "--address", tcp, "health")
     assert out.returncode == 0, out
-    assert out.stdout.startswith(f"ok: kvtierd at 127.0.0.1:{port} serving; its tiers' states")
+    assert out.stdout.startswith(f"ok: kvtierd at {tcp} serving; its tiers' states")
     assert "UnauthenticatedError" in out.stdout
 
 
@@ -1295,16 +1291,13 @@ def test_regression_drain_wait_said_stopped_when_a_reload_took_its_admin_right(
 
     from kvtier.cli import main as cli
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ops, _ = tenant_token(tmp_path, "ops")
     user, _ = tenant_token(tmp_path, "user")
     config = tmp_path / "kvtier.yaml"
     text = textwrap.dedent(
         f"""
         server:
-          tcp_address: 127.0.0.1:{port}
+          tcp_address: 127.0.0.1:0
         tiers:
           l1:
             capacity_bytes: 128MiB
@@ -1320,7 +1313,7 @@ def test_regression_drain_wait_said_stopped_when_a_reload_took_its_admin_right(
     d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/reload.sock", ["--config", str(config)])
     daemon_factory._daemons.append(d)
     d.start()
-    address = f"127.0.0.1:{port}"
+    address = d.tcp_address()  # the port it took: one chosen first may be taken by then
 
     class Clock:
         monotonic = staticmethod(cli.time.monotonic)

@@ -1017,12 +1017,10 @@ def test_a_second_daemon_on_the_same_tcp_address_is_refused(tmp_path, daemon_fac
     token = tmp_path / "t.token"
     token.write_text("s" * 32)
     token.chmod(0o600)
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    tcp = [f"server.tcp_address=127.0.0.1:{port}", f"tenants=[{{name: r, token_file: {token}}}]"]
-    daemon_factory(*tcp)
+    tenants = f"tenants=[{{name: r, token_file: {token}}}]"
+    # The port the first one took (one chosen before its start may be taken by then).
+    first = daemon_factory("server.tcp_address=127.0.0.1:0", tenants)
+    tcp = [f"server.tcp_address={first.tcp_address()}", tenants]
     proc = _kvtierd(*_sets(f"server.socket={tmp_path}/second.sock", *tcp))
     assert proc.returncode == 1, proc.stderr
     assert "server.tcp_address" in proc.stderr and "in use" in proc.stderr
