@@ -8,15 +8,18 @@ to read its log. Sockets live under a short /tmp folder (Unix socket paths are l
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,6 +269,25 @@ def l2_quota_args(path: Path, quota_bytes: int) -> tuple[str, ...]:
         f"tenants=[{{name: ops, uids: [{os.getuid()}], admin: true, "
         f"quotas: {{l2: {quota_bytes}}}}}]",
     )
+
+
+@contextlib.contextmanager
+def held_port(shared: bool = True) -> Iterator[int]:
+    """A loopback TCP port kept bound, not listening, by this process until the block ends:
+    for a port a test must name before its server starts (two daemons on one port, a server
+    started late on a port a client was given). A port found free and let go may be any
+    process's by the time the server binds it; while this one is bound, the kernel gives it
+    to no bind of port 0 elsewhere, and a connect to it is refused until a server listens.
+    ``shared``: bound with SO_REUSEADDR, so that a server binding so too (kvtierd's gRPC and
+    metrics listeners and its host check, redis-server) listens on it beside this socket;
+    only a process that chose the same number before it was held could still bind it so,
+    and then the later of the two servers fails to start, saying the port is in use. Not
+    shared: no one else may bind it at all."""
+    with socket.socket() as s:
+        if shared:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
 
 
 def tenant_token(folder: Path, name: str) -> tuple[Path, str]:

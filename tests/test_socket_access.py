@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import DaemonProcess, tenant_token
+from harness import DaemonProcess, held_port, tenant_token
 from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier.client import (
@@ -648,12 +648,6 @@ def test_the_systemd_files_pass_systemds_own_checks(tmp_path):
     assert user[3] == gid and user[5] == "/var/lib/kvtier"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kvtierd(path: str, *overrides: str) -> subprocess.Popen[str]:
     args = [f"server.socket={path}", "tiers.l1.capacity_bytes=64MiB", *overrides]
     return subprocess.Popen(
@@ -676,7 +670,8 @@ def _kvtier_health(path: str) -> subprocess.CompletedProcess[str]:
 def _alive(proc: subprocess.Popen[str]) -> None:
     """``wait_until_serving``'s check: give up once ``proc`` has exited."""
     if proc.poll() is not None:
-        raise RuntimeError(f"kvtierd {proc.pid} exited with {proc.returncode}")
+        out = proc.communicate()[0] if proc.stdout is not None else ""
+        raise RuntimeError(f"kvtierd {proc.pid} exited with {proc.returncode}:\n{out}")
 
 
 def _first_to_exit(procs: list[subprocess.Popen[str]]) -> int:
@@ -713,31 +708,33 @@ def test_regression_two_daemons_started_at_once_on_one_socket_path_left_it_to_ne
         folder = tmp_path / f"r{n}"
         folder.mkdir(mode=0o700)
         path = str(folder / "d.sock")
-        tcp = f"server.tcp_address=127.0.0.1:{_free_port()}"
-        procs = [_kvtierd(path, tenants, tcp, *_l2_in(folder / f"l2-{i}")) for i in (0, 1)]
-        try:
-            loser = procs[_first_to_exit(procs)]
-            survivor = procs[1 - procs.index(loser)]
-            out, _ = loser.communicate()
-            assert loser.returncode == 1, out
-            assert f"another kvtierd (pid {survivor.pid}) serves {path}" in out, out
-            assert "Traceback" not in out, out
-            # The loser stops at the lock, maybe before the survivor has bound its socket.
-            wait_until_serving(f"unix:{path}", 60, check=lambda s=survivor: _alive(s))
-            # Stopped before it opened its L2 folder (it had filled L1 and preallocated L2).
-            assert not (folder / f"l2-{procs.index(loser)}").exists()
-            health = _kvtier_health(path)
-            assert health.returncode == 0, health.stdout + health.stderr
-            survivor.send_signal(signal.SIGTERM)
-            out, _ = survivor.communicate(timeout=60)
-            assert survivor.returncode == 0, out
-            # Both sockets and the lock removed at the stop.
-            assert os.listdir(folder) == [f"l2-{procs.index(survivor)}"], os.listdir(folder)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
+        # One port for both, known before either starts: held by this process meanwhile.
+        with held_port() as port:
+            tcp = f"server.tcp_address=127.0.0.1:{port}"
+            procs = [_kvtierd(path, tenants, tcp, *_l2_in(folder / f"l2-{i}")) for i in (0, 1)]
+            try:
+                loser = procs[_first_to_exit(procs)]
+                survivor = procs[1 - procs.index(loser)]
+                out, _ = loser.communicate()
+                assert loser.returncode == 1, out
+                assert f"another kvtierd (pid {survivor.pid}) serves {path}" in out, out
+                assert "Traceback" not in out, out
+                # The loser stops at the lock, maybe before the survivor has bound its socket.
+                wait_until_serving(f"unix:{path}", 60, check=lambda s=survivor: _alive(s))
+                # Stopped before it opened its L2 folder (it had filled L1 and preallocated L2).
+                assert not (folder / f"l2-{procs.index(loser)}").exists()
+                health = _kvtier_health(path)
+                assert health.returncode == 0, health.stdout + health.stderr
+                survivor.send_signal(signal.SIGTERM)
+                out, _ = survivor.communicate(timeout=60)
+                assert survivor.returncode == 0, out
+                # Both sockets and the lock removed at the stop.
+                assert os.listdir(folder) == [f"l2-{procs.index(survivor)}"], os.listdir(folder)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.communicate()
 
 
 # Runs kvtierd held, once it has checked both socket paths, until the file ``gate`` is gone.

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness import held_port
 from redis_servers import (
     OP_TIMEOUT_S,
     SLACK_S,
@@ -31,7 +32,7 @@ from redis_servers import (
     wait_for,
 )
 
-from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
+from kvtier.bench.redis_proc import RedisServer, make_tls_files
 from kvtier.daemon import logs, loops
 from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.kernels.layout import PoolLayout
@@ -1498,16 +1499,19 @@ def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
 
 
 async def test_an_unreachable_store_at_start_is_not_fatal(tmp_path: Path, l3_prefix: str) -> None:
-    server = RedisServer(tmp_path / "late", port=free_port())
-    async with opened(options(server, l3_prefix)) as tier:
-        assert tier.health().state is Health.DOWN
-        assert await tier.probe([ref(1)]) == []
-        server.start()
-        try:
-            await wait_for("L3 to come up", lambda: tier.health().state is Health.OK)
-            assert await tier.write([ref(1)], 4096, host([data(1, 4096)])) == [True]
-        finally:
-            server.stop()
+    # The tier is given the port before its server starts: held by this process meanwhile
+    # (refusing connections), lest another server take it.
+    with held_port() as port:
+        server = RedisServer(tmp_path / "late", port=port)
+        async with opened(options(server, l3_prefix)) as tier:
+            assert tier.health().state is Health.DOWN
+            assert await tier.probe([ref(1)]) == []
+            server.start()
+            try:
+                await wait_for("L3 to come up", lambda: tier.health().state is Health.OK)
+                assert await tier.write([ref(1)], 4096, host([data(1, 4096)])) == [True]
+            finally:
+                server.stop()
 
 
 async def test_out_of_memory_pauses_writes_not_reads(tmp_path: Path, l3_prefix: str) -> None:

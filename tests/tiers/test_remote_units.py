@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from harness import held_port
 from peers import require_root
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -23,7 +24,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis_servers import wait_for
 
-from kvtier.bench.redis_proc import free_port
 from kvtier.tiers.remote.codec import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -328,9 +328,8 @@ def test_a_refused_connection_answers_the_reads_of_its_send_where_faults_are_not
     is raised by each read that follows it, not by the send, so that a cluster pipeline
     takes it as that node's commands' replies, and is noted with the node; the next send
     starts afresh. Without, the send raises it, as redis-py's own connection does."""
-    port = free_port()
 
-    async def run() -> None:
+    async def run(port: int) -> None:
         conn = _tier_class(Connection)(
             host="127.0.0.1", port=port, socket_timeout=5.0, retry=Retry(NoBackoff(), 0)
         )
@@ -346,7 +345,10 @@ def test_a_refused_connection_answers_the_reads_of_its_send_where_faults_are_not
             await conn.send_packed_command(conn.pack_command("GET", b"k"))
         assert e.value is not raised[0]
 
-    asyncio.run(run())
+    # A port bound here and never listened on: each connect to it is refused, and no other
+    # process may take it meanwhile (one found free and let go may be a server's by then).
+    with held_port(shared=False) as port:
+        asyncio.run(run(port))
 
 
 def test_regression_a_reset_in_the_handshake_was_answered_and_left_its_replies_askew() -> None:
