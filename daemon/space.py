@@ -163,9 +163,9 @@ class SpaceManager:
         # may still read them for (a later recovered row of the key replaced the copy:
         # ``BlockStore._replace_recovered``), each with its block's ref: freed as the last
         # hold on that block ends (``free_read_held``, called wherever an in-flight mark is
-        # dropped while this is not empty). Freed at once, one could go to another key's put
-        # before the read, which, failing its checksum, would quarantine the slot and delete
-        # that put's row.
+        # dropped while this is not empty); their rows go sooner (``free_when_idle``). Freed
+        # at once, one could go to another key's put before the read, which, failing its
+        # checksum, would quarantine the slot and delete that put's row.
         self.read_held: dict[TierKind, list[tuple[int, int]]] = {}
         # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
         # (``BALANCE_RETRY_S``).
@@ -1355,7 +1355,13 @@ class SpaceManager:
 
     def free_when_idle(self, level: Level, slots: np.ndarray, bids: np.ndarray) -> None:
         """Free ``slots`` of ``level``, just taken from ``bids`` (in flight: a read may have
-        named them before), once nobody holds those blocks (``read_held``)."""
+        named them before), once nobody holds those blocks (``read_held``). Their rows go
+        sooner, with the tier's next block commit (``SlotTier.removing``): kept till the
+        free, a put of one of their keys (the block's later copy lost meanwhile, a failed
+        read) committed its row beside the older one, which a crash then left to the next
+        start's recovery to serve until it read the newer; and a release of one quarantined
+        by a failed read of it handed it out before that free released it again."""
+        level.slots.removing(slots.tolist())
         held = self.read_held.setdefault(level.kind, [])
         held += zip(slots.tolist(), self.table.refs(bids).tolist(), strict=True)
 

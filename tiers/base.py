@@ -561,11 +561,13 @@ class SlotTier(Protocol):
         ...
 
     def removing(self, slots: Sequence[int]) -> None:
-        """``slots``, whose blocks are gone, are on their way to ``remove`` (which may run
-        later, or fail): a persistent tier's next block commit deletes their rows in its own
-        transaction, nothing freed, so that a block of the same key put meanwhile never
-        commits beside its older row (a crash between left both, and the next start's
-        recovery served the older until it read the newer). Volatile tiers do nothing."""
+        """``slots``, whose blocks are gone (or whose rows a later row of the key replaced,
+        kept for reads in flight: ``SpaceManager.free_when_idle``), are on their way to
+        ``remove`` (which may run later, or fail): a persistent tier's next block commit
+        deletes their rows in its own transaction, nothing freed, so that a block of the same
+        key put meanwhile never commits beside its older row (a crash between left both, and
+        the next start's recovery served the older until it read the newer). Volatile tiers
+        do nothing."""
         ...
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:

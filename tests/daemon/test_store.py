@@ -3123,6 +3123,24 @@ async def test_regression_a_put_over_a_key_whose_free_failed_left_its_older_row_
     assert store.check() == []
 
 
+async def _deleted_then_put_again(store, monkeypatch, pool, key, page: int):
+    """A Delete of ``key`` whose L2 free waits (``SpaceManager.release`` held), then a durable
+    put of the key from ``page``: returns (the Delete's task, the event that lets its free
+    go on)."""
+    release, asked, go = store.space.release, asyncio.Event(), asyncio.Event()
+
+    async def held(level, slots):
+        asked.set()
+        await go.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", held)
+    deleting = asyncio.create_task(store.delete(0, key))
+    await asyncio.wait_for(asked.wait(), 10)
+    assert (await put(store, pool, key, pages=[page], durable=True))[1] == [True]
+    return deleting, go
+
+
 async def test_regression_a_put_committed_before_a_deleted_keys_free_left_its_older_row(
     make_store, monkeypatch
 ):
@@ -3137,17 +3155,7 @@ async def test_regression_a_put_committed_before_a_deleted_keys_free_left_its_ol
     store, pool = make_store(clock, l2=l2), make_pool()
     key = keys(1)
     assert (await put(store, pool, key, durable=True))[1] == [True]
-    release, asked, go = store.space.release, asyncio.Event(), asyncio.Event()
-
-    async def held(level, slots):
-        asked.set()
-        await go.wait()
-        return await release(level, slots)
-
-    monkeypatch.setattr(store.space, "release", held)
-    deleting = asyncio.create_task(store.delete(0, key))
-    await asyncio.wait_for(asked.wait(), 10)
-    assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
+    deleting, go = await _deleted_then_put_again(store, monkeypatch, pool, key, 5)
     crashed = [r for r in l2._medium.index.values() if r.key == key[0].tobytes()]
     go.set()
     assert (await asyncio.wait_for(deleting, 10)).deleted == 1
@@ -3209,12 +3217,13 @@ async def _a_get_held_at_its_l2_read(store, monkeypatch, pool, key):
     return getting, read_from, read_go
 
 
-async def _recovered_held(make_store, monkeypatch, clock):
+async def _recovered_held(make_store, monkeypatch, clock, *, later_lost: bool = False):
     """``_restarted_with_its_second_chunk_held``, a Get of the key held at its L2 read of the
     key's first row (``_a_get_held_at_its_l2_read``), then recovery let end: the second row
-    replaced the block's copy, the first row's slot is kept for the Get. Returns (the pool,
-    the key, the medium, that L2, the store, the slots of the key's rows (first, second),
-    the Get's task, the event that lets it read)."""
+    replaced the block's copy, the first row's slot is kept for the Get. ``later_lost``: then
+    another Get's read of the second row fails its checksum (the tier drops that row).
+    Returns (the pool, the key, the medium, that L2, the store, the slots of the key's rows
+    (first, second), the Get's task, the event that lets it read)."""
     pool, key, medium, reopened, again, go_on = await _restarted_with_its_second_chunk_held(
         make_store, monkeypatch, clock
     )
@@ -3224,6 +3233,9 @@ async def _recovered_held(make_store, monkeypatch, clock):
     go_on.set()
     await asyncio.wait_for(again.recovered.wait(), 10)
     await asyncio.wait_for(again.space.drain(), 10)
+    if later_lost:
+        reopened.corrupt(second)
+        assert await asyncio.wait_for(get(again, pool, key, [11]), 10) == [False]
     return pool, key, medium, reopened, again, (first, second), getting, read_go
 
 
@@ -3317,12 +3329,10 @@ async def test_regression_a_failed_read_of_a_replacing_row_left_the_held_older_r
     index until the balancer's next pass, and a crash then brought the key back with the
     bytes deleted before its last put. The earlier row goes as the last hold ends."""
     clock = Clock()
-    pool, key, medium, reopened, again, rows, getting, read_go = await _recovered_held(
-        make_store, monkeypatch, clock
+    _, key, medium, reopened, again, rows, getting, read_go = await _recovered_held(
+        make_store, monkeypatch, clock, later_lost=True
     )
     first, second = rows
-    reopened.corrupt(second)
-    assert await asyncio.wait_for(get(again, pool, key, [11]), 10) == [False]
     assert second in reopened.quarantined
     assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == [first]
     read_go.set()
@@ -3331,6 +3341,148 @@ async def test_regression_a_failed_read_of_a_replacing_row_left_the_held_older_r
     # A crash now (no balancer pass, no stop): the next start must not find the key.
     assert [r for r in medium.index.values() if r.key == key[0].tobytes()] == []
     assert again.quiescent()
+
+
+async def test_regression_a_put_over_a_lost_replacing_row_committed_beside_the_held_older_row(
+    make_store, monkeypatch
+):
+    """A key's earlier recovered row, replaced while a Get held the block, keeps its slot
+    until nobody holds the block. Another Get's read of the later row failed (the block held
+    no copy then), and a put of the key with other bytes, answered persisted, committed its
+    row beside the earlier one, which stayed until the first Get ended: a crash between, and
+    the next start's recovery, reading the rows a chunk at a time in slot order, served the
+    bytes of the key's first put to a Get until it read the put's row. The earlier row goes
+    with the next block commit, as those of slots on their way to ``remove`` do."""
+    clock = Clock()
+    pool, key, medium, _, again, (first, _), getting, read_go = await _recovered_held(
+        make_store, monkeypatch, clock, later_lost=True
+    )
+    assert (await put(again, pool, key, pages=[7], durable=True))[1] == [True]
+    # A crash now: the index holds the put's row of the key alone.
+    crashed = [r.slot for r in medium.index.values() if r.key == key[0].tobytes()]
+    assert first not in crashed and len(crashed) == 1
+    read_go.set()
+    await asyncio.wait_for(getting, 10)
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert [r.slot for r in medium.index.values() if r.key == key[0].tobytes()] == crashed
+    assert again.check() == []
+
+
+async def test_regression_a_release_gave_back_a_held_recovered_slot_its_free_then_took_again(
+    make_store, monkeypatch, tmp_path
+):
+    """A key's earlier recovered row on a real disk, replaced while two Gets held the block:
+    the first Get's read of that row failed and the tier quarantined its slot, which the
+    store kept for the second Get (``SpaceManager.read_held``), its free not begun. A release
+    of the quarantined slots gave it back, a durable put took it, and the second Get's end
+    freed it: that put's row deleted and its slot released under it (answered persisted,
+    gone after a restart). The slot is noted as on its way to ``remove`` when it is kept for
+    the reads, so a release leaves it held until its free."""
+    from kvtier.tiers.disk import DiskTier
+
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
+    clock = Clock()
+    l2_dir = tmp_path / "l2"
+
+    def disk() -> DiskTier:
+        return DiskTier(l2_dir, 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+
+    first, pool = make_store(clock, l2=disk()), make_pool()
+    await first.recover()
+    key = keys(1)
+    assert (await put(first, pool, key, durable=True))[1] == [True]
+    assert (await put(first, pool, keys(3), pages=range(1, 4), durable=True))[1] == [True] * 3
+    old = int(first.table.slot[first.table.lookup(0, key)[0], 1])
+    with contextlib.closing(sqlite3.connect(l2_dir / "index.sqlite3")) as db:
+        old_row = db.execute("SELECT * FROM blocks WHERE slot = ?", (old,)).fetchone()
+    # The Delete's free waits till the key is put again, in another slot.
+    deleting, go = await _deleted_then_put_again(first, monkeypatch, pool, key, 5)
+    go.set()
+    await asyncio.wait_for(deleting, 10)
+    await first.stop(flush=False)
+    first.close()
+    # The key's first row back beside its second, as an index an earlier kvtier wrote may
+    # hold them; its slot's bytes are still there.
+    with contextlib.closing(sqlite3.connect(l2_dir / "index.sqlite3")) as db, db:
+        db.execute(f"INSERT INTO blocks VALUES ({', '.join('?' * len(old_row))})", old_row)
+    tier = disk()
+    again = make_store(clock, l2=tier, sets=("mover.balance_interval_s=60",))
+    second_chunk, go_on, run, chunks = asyncio.Event(), asyncio.Event(), again.transfers.run, []
+
+    async def second_chunk_held(priority, fn, *args):
+        if fn is next:
+            chunks.append(fn)
+            if len(chunks) == 2:  # the first chunk (the key's first row) is indexed
+                second_chunk.set()
+                await go_on.wait()
+        return await run(priority, fn, *args)
+
+    monkeypatch.setattr(again.transfers, "run", second_chunk_held)
+    to_pool, first_read, read_go = again.transfers.to_pool, asyncio.Event(), asyncio.Event()
+
+    async def first_read_held(level, slots, *args, **kw):
+        if level.kind is TierKind.DISK and not first_read.is_set():
+            assert list(slots) == [old]
+            first_read.set()
+            await read_go.wait()
+        return await to_pool(level, slots, *args, **kw)
+
+    monkeypatch.setattr(again.transfers, "to_pool", first_read_held)
+    again.start()
+    await asyncio.wait_for(second_chunk.wait(), 10)
+    _flip_slot(tier, old)
+    first_get = asyncio.create_task(get(again, pool, key, [10]))
+    await asyncio.wait_for(first_read.wait(), 10)
+    go_on.set()
+    await asyncio.wait_for(again.recovered.wait(), 10)
+    # A second Get holds the block at its read of the later row (a thread's wait).
+    new = int(again.table.slot[again.table.lookup(0, key)[0], 1])
+    read, reading, second_go = tier.read, threading.Event(), threading.Event()
+
+    def second_read_held(batch):
+        if new in list(batch.slots):
+            reading.set()
+            second_go.wait(10)
+        return read(batch)
+
+    monkeypatch.setattr(tier, "read", second_read_held)
+    second_get = asyncio.create_task(get(again, pool, key, [11]))
+    try:
+        assert await asyncio.to_thread(reading.wait, 10)
+        read_go.set()
+        assert await asyncio.wait_for(first_get, 10) == [False]
+        held_out, released = await again.quarantine(True, [], 16)
+        assert released == []
+        assert [(q.slot, q.reason) for q in held_out] == [
+            (old, "release: its free was not done yet")
+        ]
+        other = keys(1)
+        assert (await put(again, pool, other, pages=[6], durable=True))[1] == [True]
+    finally:
+        second_go.set()
+    assert await asyncio.wait_for(second_get, 10) == [True]
+    await asyncio.wait_for(again.space.drain(), 10)
+    assert (await again.quarantine(True, [], 16))[1] == [old]
+    await again.stop(flush=False)
+    again.close()
+    last = make_store(clock, l2=disk())
+    await last.recover()
+    want = [page_bytes(pool, 5), page_bytes(pool, 6)]
+    pool.array[:] = 0
+    assert await get(last, pool, np.concatenate([key, other]), [12, 13]) == [True, True]
+    assert [page_bytes(pool, 12), page_bytes(pool, 13)] == want
+
+
+def _flip_slot(tier, slot: int) -> None:
+    """Flip bytes of a disk tier's ``slot`` in its data file: its next read fails."""
+    path, offset = tier.slot_location(slot)
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        old = f.read(16)
+        f.seek(offset + 100)
+        f.write(bytes(b ^ 0xFF for b in old))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 async def test_regression_a_held_recovered_slot_was_freed_uncounted_as_a_dropped_repeat(

@@ -1005,7 +1005,8 @@ class DiskTier:
         return self._read_blocks(blocks, batch.priority, batch.rank, batch.urgency)
 
     def removing(self, slots: Sequence[int]) -> None:
-        """Note slots ``remove`` will be given (``_unremoved``): their blocks are gone."""
+        """Note slots ``remove`` will be given (``_unremoved``): their blocks are gone, or
+        their rows replaced (the slots kept for reads in flight till then)."""
         with self._state_lock:
             self._unremoved.update(int(s) for s in slots)
             self._freeing.update(int(s) for s in slots)
