@@ -410,3 +410,23 @@ def test_regression_a_daemon_whose_l2_disk_filled_while_it_was_stopped_did_not_s
         more = keys(1, 466)
         assert client.put(pool.pool_id, more, [0], durable=True).persisted == [False]
         assert client.check().problems == []
+
+
+def test_regression_a_new_l2_index_sqlite_could_not_make_ended_the_start_in_a_traceback(
+    daemon_factory, tmp_path
+):
+    """A new L2 index that SQLite could not make for a reason other than a full disk (here
+    SQLITE_CANTOPEN: a folder where its rollback journal goes, which the switch to WAL opens;
+    the host checks look at the index, its WAL and shared memory only) ended kvtierd's start
+    in a Python traceback. The start is refused as other L2 start failures are: one line
+    naming the index and the cause, exit status 1."""
+    l2 = tmp_path / "l2"
+    l2.mkdir(mode=0o700)
+    (l2 / "index.sqlite3-journal").mkdir()
+    d = daemon_factory(*l2_args(l2), wait=False)
+    assert d.proc is not None and d.proc.wait(60) == 1
+    log = d.log()
+    assert "Traceback" not in log, log
+    [line] = [x for x in log.splitlines() if "cannot start" in x]
+    assert f"cannot make the L2 index {l2 / 'index.sqlite3'} (index: SQLITE_CANTOPEN" in line, log
+    assert not (l2 / "index.sqlite3").exists()

@@ -941,6 +941,32 @@ def test_regression_an_index_moved_aside_stayed_open_until_the_collector_ran(
             gc.enable()
 
 
+def test_regression_a_new_index_that_sqlite_could_not_make_escaped_as_an_sqlite_error(
+    disk_dir: Path,
+) -> None:
+    """A damaged index moved aside, and the new one SQLite could not make for a reason other
+    than a full disk (SQLITE_CANTOPEN: a folder where its rollback journal goes, which the
+    switch to WAL opens): the open raised that sqlite3 error, which the daemon's start does
+    not catch (a traceback), nothing saying the index was moved aside. The start is refused
+    (TierUnavailable) naming the index, the cause and the index moved aside."""
+    with _open(disk_dir):
+        pass
+    (disk_dir / "index.sqlite3").write_bytes(os.urandom(8192))
+    (disk_dir / "index.sqlite3-journal").mkdir()
+    with pytest.raises(TierUnavailable) as e:
+        _open(disk_dir)
+    [aside] = [p.name for p in disk_dir.glob("index.sqlite3.corrupt-*")]
+    assert str(e.value).startswith(
+        f"cannot make the L2 index {disk_dir / 'index.sqlite3'} (index: SQLITE_CANTOPEN: "
+    ), str(e.value)
+    assert "found there cannot be read (index: SQLITE_" in str(e.value), str(e.value)
+    assert f"moved aside as {aside}, the next start makes a new" in str(e.value), str(e.value)
+    assert not (disk_dir / "index.sqlite3").exists()
+    (disk_dir / "index.sqlite3-journal").rmdir()
+    with _open(disk_dir) as tier:
+        assert tier.health().state is Health.OK
+
+
 _EXCLUSIVE_HOLDER = """
 import sqlite3, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None)

@@ -613,7 +613,8 @@ class DiskTier:
         full disk, as a disk filling under the tier degrades it.
 
         Raises TierUnavailable when the directory cannot hold the data files (or a new
-        index), the index cannot be opened for want of room (``_open_index``) or another
+        index), the index cannot be opened or made (for want of room, or any other error of
+        SQLite's or the system's: ``_open_index``) or another
         process holds it locked past the busy timeout (where its geometry is read, or at its
         open: the start waits that long once), is in use by another DiskTier or holds an index
         of an older format that could not be upgraded (left as it was), ValueError for a bad
@@ -1106,20 +1107,39 @@ class DiskTier:
         open tried once more (made again once there is room). So where the filesystem has no
         inode for the WAL's files (ENOSPC), and where a new index finds no room (``IndexNotMade``:
         what that open moved aside is reported as the next one's). Raises TierUnavailable where
-        it still finds no room (naming an index it moved aside), or another process holds the
-        index locked past the busy timeout."""
+        it still finds no room, where another process holds the index locked past the busy
+        timeout, and where the index cannot be opened or made for any other cause (SQLite's
+        or the system's error, named with the index and one it moved aside), IndexFilesReplaced
+        for a link."""
         moved = ("", "")  # what an open that failed to make a new index moved aside first
         while True:
             try:
                 index = DiskIndex(self.directory, self._geometry(), clock, count=self.faults.count)
             except (sqlite3.Error, OSError) as e:
+                if isinstance(e, IndexFilesReplaced):
+                    raise  # a link: refused by the caller
                 if isinstance(e, IndexNotMade) and e.moved_aside:
                     moved = (e.moved_aside, e.moved_to)
                 fault = classify(e)
+                # A damaged index this start moved aside is gone whatever the cause: said
+                # here, as the next start finds only no index.
+                aside = (
+                    f" (the index found there {moved[0]}: moved aside as {moved[1]}, the next "
+                    "start makes a new, empty one)"
+                    if moved[0]
+                    else ""
+                )
                 if fault.kind == "locked":
                     raise _locked_index(self.directory, e) from e
                 if fault.kind != "enospc":
-                    raise
+                    # Raised as it was, an sqlite3 error (SQLITE_CANTOPEN, SQLITE_IOERR,
+                    # SQLITE_READONLY) ended the daemon's start in a traceback.
+                    made = "make" if isinstance(e, IndexNotMade) else "open"
+                    raise TierUnavailable(
+                        f"cannot {made} the L2 index {self.directory / INDEX_NAME} "
+                        f"({fault.detail}){aside}: mend {self.directory} or its disk, then "
+                        "restart"
+                    ) from e
                 if self._give_back_reserve("open the index"):
                     continue
                 short = space_shortfall(
@@ -1135,14 +1155,6 @@ class DiskTier:
                     "df -i): free some there"
                 )
                 kept = (self.directory / RESERVE_NAME).exists()  # its unlink failed
-                # A damaged index this start moved aside is gone whatever the room: said
-                # here, as the next start finds only no index.
-                aside = (
-                    f" (the index found there {moved[0]}: moved aside as {moved[1]}, the next "
-                    "start makes a new, empty one)"
-                    if moved[0]
-                    else ""
-                )
                 raise TierUnavailable(
                     f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}) "
                     + (
