@@ -2255,6 +2255,24 @@ def test_a_first_start_has_no_missing_index(disk_dir: Path, caplog: pytest.LogCa
     assert not [r for r in caplog.records if r.levelno == logging.ERROR]
 
 
+def test_regression_a_write_back_finished_at_the_open_was_reported_as_a_missing_index(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write-back cut short before its rename (its whole copy beside no index file) is put
+    in the index's place by the next open, which serves every block; yet that start reported
+    the index missing beside its data files, "starting EMPTY" in an ERROR and in the tier's
+    health, as it looked for the index file before the open put the copy there. Whether the
+    index was missing is now the open's answer."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(5)), 4096)
+    (disk_dir / "index.sqlite3").rename(disk_dir / "index.sqlite3.restore")
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"), _open(disk_dir) as again:
+        assert again.faults.snapshot().get("index_restored") == 1
+        assert "missing" not in again.health().detail, again.health().detail
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+    assert not [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+
 def _crash_image(directory: Path, to: Path) -> Path:
     """The files of ``directory`` as a crash would leave them to the next start: what their
     paths name now (a file removed while open is gone with the process)."""

@@ -360,6 +360,9 @@ class DiskIndex:
         self._lock = threading.RLock()
         self.moved_aside = ""  # why the index found at open was moved aside, if it was
         self.moved_to = ""
+        # Whether the open found no index (nor a write-back's copy to put in its place) and
+        # made a new one: the tier's cue for an index missing beside its data files.
+        self.found_none = False
         # What makes an index of another layout (LAYOUT_CHANGED) unusable: logged with the
         # name it is moved aside as, in one warning.
         self._layout_change = ""
@@ -902,7 +905,8 @@ class DiskIndex:
     def _open(self) -> sqlite3.Connection | None:
         self._finish_restore()
         problem = ""
-        if self.path.exists():
+        self.found_none = not self.path.exists()
+        if not self.found_none:
             db = None
             try:
                 db = self._connect()

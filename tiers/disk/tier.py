@@ -705,13 +705,11 @@ class DiskTier:
             )
             if shortfall is not None and shortfall.refuses_start:
                 raise TierUnavailable(str(shortfall))
-            # The index is made before the data files, so data files without one mean it was
-            # deleted (by hand, or a clean-up script): their blocks cannot be found again.
-            orphans = (
-                sorted(p.name for p in self.directory.glob(DATA_GLOB))
-                if not (self.directory / INDEX_NAME).exists()
-                else []
-            )
+            # The index is made before the data files, so data files where the open found no
+            # index (nor a write-back's copy it puts in the index's place) mean it was deleted
+            # (by hand, or a clean-up script): their blocks cannot be found again. Listed
+            # before the open, which may make the files of a new index.
+            data_files = sorted(p.name for p in self.directory.glob(DATA_GLOB))
             try:
                 self._index = self._open_index(clock)
             except IndexUpgradeFailed as e:
@@ -725,6 +723,7 @@ class DiskTier:
                         f"index {self._index.moved_aside}: moved aside as {self._index.moved_to}"
                         ", started empty"
                     )
+            orphans = data_files if self._index.found_none and not self._index.moved_aside else []
             if orphans:
                 log.error(
                     "L2 index %s is missing but %d data file(s) are there (%s); starting EMPTY: "
