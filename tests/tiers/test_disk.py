@@ -2273,6 +2273,39 @@ def test_regression_a_write_back_finished_at_the_open_was_reported_as_a_missing_
     assert not [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
 
 
+def test_regression_the_start_after_one_refused_once_it_moved_the_index_aside_said_it_was_missing(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start that moved a damaged index aside and then could not make a new one was refused
+    (its refusal said so); the next start found no index beside the data files and said only
+    "index was missing beside 4 data file(s)", as after an index deleted by hand. It now
+    says that an earlier start moved it aside as damaged, when, and to which file, where no
+    block was written to the data files since; an older one moved aside is not named."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(4)), 4096)
+    (disk_dir / "index.sqlite3").write_bytes(os.urandom(8192))
+    (disk_dir / "index.sqlite3-journal").mkdir()
+    with pytest.raises(TierUnavailable, match=r"moved aside as index\.sqlite3\.corrupt-"):
+        _open(disk_dir)
+    (disk_dir / "index.sqlite3-journal").rmdir()
+    [aside] = [p.name for p in disk_dir.glob("index.sqlite3.corrupt-*")]
+    stamp = time.strptime(aside.removeprefix("index.sqlite3.corrupt-"), "%Y%m%dT%H%M%S")
+    said = f"moved aside as damaged at {time.strftime('%Y-%m-%d %H:%M:%S', stamp)} UTC, to {aside}"
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir)
+    with tier:
+        assert said in tier.health().detail and "missing" not in tier.health().detail
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and said in errors[0], errors
+        assert len(tier.recover()) == 0
+        _persist(tier, make_block, [5], 4096)
+    (disk_dir / aside).rename(disk_dir / "index.sqlite3.corrupt-20200101T000000")
+    (disk_dir / "index.sqlite3").unlink()
+    with _open(disk_dir) as tier:
+        assert tier.health().detail.startswith("index was missing beside 4 data file(s)")
+
+
 def _crash_image(directory: Path, to: Path) -> Path:
     """The files of ``directory`` as a crash would leave them to the next start: what their
     paths name now (a file removed while open is gone with the process)."""

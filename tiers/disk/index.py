@@ -73,16 +73,19 @@ Thread-safety: every method may be called from any thread; the connection is ser
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import errno
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
+from typing import NamedTuple
 
 from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
 from kvtier.tiers.disk.health import classify
@@ -231,6 +234,35 @@ def stored_geometry(directory: Path) -> dict[str, str]:
         if classify(e).kind == "locked":
             raise
         return {}
+
+
+class MovedAside(NamedTuple):
+    """An index an open moved aside (``DiskIndex._move_aside``), as its name tells."""
+
+    name: str  # the file's name in the tier's folder
+    why: str  # "as damaged", or "as made for another layout"
+    at: float  # when, in seconds since the epoch (to the second)
+
+
+# ``DiskIndex._move_aside``'s names: the index's name, why, the UTC time, and a count where
+# one of that second was there already.
+_ASIDE_STAMP = "%Y%m%dT%H%M%S"
+_ASIDE_NAME = re.compile(rf"{re.escape(INDEX_NAME)}\.(corrupt|old)-(\d{{8}}T\d{{6}})(?:-(\d+))?")
+_ASIDE_WHY = {"corrupt": "as damaged", "old": "as made for another layout"}
+
+
+def last_moved_aside(directory: Path) -> MovedAside | None:
+    """The index an open moved aside in ``directory`` last, as the names ``_move_aside`` gives
+    the files tell; None where there is none."""
+    found: list[tuple[str, int, str, str]] = []
+    for path in directory.glob(f"{INDEX_NAME}.*-*"):
+        if (m := _ASIDE_NAME.fullmatch(path.name)) is not None:
+            found.append((m[2], int(m[3] or 1), m[1], path.name))
+    if not found:
+        return None
+    stamp, _, word, name = max(found)
+    at = calendar.timegm(time.strptime(stamp, _ASIDE_STAMP))
+    return MovedAside(name, _ASIDE_WHY[word], float(at))
 
 
 def _read_meta(uri: str) -> dict[str, str]:
@@ -1148,7 +1180,7 @@ class DiskIndex:
         db.execute("COMMIT")
 
     def _move_aside(self, problem: str) -> None:
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._clock()))
+        stamp = time.strftime(_ASIDE_STAMP, time.gmtime(self._clock()))
         word = "old" if problem == LAYOUT_CHANGED else "corrupt"
         suffix = f".{word}-{stamp}"
         n = 1

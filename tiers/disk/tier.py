@@ -117,6 +117,7 @@ from kvtier.tiers.disk.index import (
     IndexFilesReplaced,
     IndexNotMade,
     IndexUpgradeFailed,
+    last_moved_aside,
     stored_geometry,
 )
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
@@ -221,6 +222,15 @@ def data_file_bytes(
     ):
         return chosen
     return kept
+
+
+def _last_written(directory: Path, names: list[str]) -> float | None:
+    """When the latest of the files ``names`` of ``directory`` was last written (its mtime),
+    None where there is none or one cannot be looked at."""
+    try:
+        return max((os.stat(directory / name).st_mtime for name in names), default=None)
+    except OSError:
+        return None
 
 
 def _locked_index(directory: Path, e: Exception) -> TierUnavailable:
@@ -710,6 +720,7 @@ class DiskTier:
             # (by hand, or a clean-up script): their blocks cannot be found again. Listed
             # before the open, which may make the files of a new index.
             data_files = sorted(p.name for p in self.directory.glob(DATA_GLOB))
+            written = _last_written(self.directory, data_files)
             try:
                 self._index = self._open_index(clock)
             except IndexUpgradeFailed as e:
@@ -725,16 +736,7 @@ class DiskTier:
                     )
             orphans = data_files if self._index.found_none and not self._index.moved_aside else []
             if orphans:
-                log.error(
-                    "L2 index %s is missing but %d data file(s) are there (%s); starting EMPTY: "
-                    "no block they held can be found without it",
-                    self.directory / INDEX_NAME,
-                    len(orphans),
-                    ", ".join(orphans),
-                )
-                self.faults.note(
-                    f"index was missing beside {len(orphans)} data file(s), started empty"
-                )
+                self._missing_index(orphans, written)
             capacity_before = self._index.previous_capacity or self.allocator.capacity_bytes
             before = layout(self.directory, capacity_before, self._file_bytes)
             sizes = self._file_sizes(before)
@@ -1098,6 +1100,38 @@ class DiskTier:
                 raise
             return False
         return True
+
+    def _missing_index(self, orphans: list[str], written: float | None) -> None:
+        """Report an index missing beside the data files ``orphans`` (``written``: when one was
+        last written to, None where unknown). Where an earlier start moved the index aside
+        (a damaged one, whose new index that start could not make, and so was refused) and
+        no block was written since, the blocks they hold were that index's: said so, when
+        and to which file, rather than "missing" as after an index deleted by hand."""
+        files = f"{len(orphans)} data file(s)"
+        aside = last_moved_aside(self.directory)
+        # The name's time is to the second: a write later within that second is taken for
+        # one before.
+        if aside is not None and written is not None and int(written) <= aside.at:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(aside.at))
+            moved = f"moved aside {aside.why} at {when}, to {aside.name}"
+            log.error(
+                "L2 index %s was %s, by an earlier start, and no block was written since; "
+                "starting EMPTY beside %s (%s): no block they held can be found without it",
+                self.directory / INDEX_NAME,
+                moved,
+                files,
+                ", ".join(orphans),
+            )
+            self.faults.note(f"index {moved} by an earlier start; started empty beside {files}")
+            return
+        log.error(
+            "L2 index %s is missing but %s are there (%s); starting EMPTY: no block they held "
+            "can be found without it",
+            self.directory / INDEX_NAME,
+            files,
+            ", ".join(orphans),
+        )
+        self.faults.note(f"index was missing beside {files}, started empty")
 
     def _open_index(self, clock: Callable[[], float]) -> DiskIndex:
         """The index, opened. Where the disk has no room for what its open makes (SQLite's
