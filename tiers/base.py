@@ -693,7 +693,9 @@ class QuarantineRelease(NamedTuple):
     """What ``Quarantine.release_quarantined`` did."""
 
     released: list[int]  # the slots back in use
-    kept: list[QuarantinedSlot]  # named but held still: their check failed (the reason says)
+    # Named but held still: their check failed, or they were left unchecked for a later
+    # release (``tried`` False); the reason says which.
+    kept: list[QuarantinedSlot]
 
 
 class Quarantine(Protocol):

@@ -803,6 +803,39 @@ def test_regression_a_release_gave_back_a_quarantined_slot_whose_free_was_under_
         assert {r.key for r in tier.recover()} == {blocks[0][0], other[3][0], again[2][0]}
 
 
+def test_regression_a_release_took_the_slots_it_left_unchecked_for_failed_checks(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A release leaves held, unchecked, a slot whose free is under way (or that a read has in
+    flight), and took it for one whose check failed: the quarantine's record of it, why its
+    read failed and when, was overwritten with "release: its free was not done yet" (listed by
+    `kvtier quarantine` from then on, across restarts), the log counted it among the slots
+    that "failed their check", and a tier degraded by a failed read stayed degraded though
+    every check that ran passed. Such a slot keeps its record, and only checks that ran count."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=3600.0) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 4096)
+        faulty_files.fail("preadv", errno.EIO, times=1)
+        assert _read(tier, blocks) == {0: None, 1: None}
+        assert tier.health().state is Health.DEGRADED_IO
+        left, checked = blocks[0][1], blocks[1][1]
+        [record] = [(q.reason, q.at) for q in tier.quarantined() if q.slot == left]
+        tier.removing([left])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            out = tier.release_quarantined()
+        assert out.released == [checked]
+        assert [(q.slot, q.reason, q.tried) for q in out.kept] == [
+            (left, "release: its free was not done yet", False)
+        ]
+        assert not [r for r in caplog.records if "failed their check" in r.getMessage()]
+        assert tier.health().state is Health.OK
+        assert [(q.slot, (q.reason, q.at), q.tried) for q in tier.quarantined()] == [
+            (left, record, False)
+        ]
+    with _open(disk_dir) as tier:
+        assert [(q.slot, (q.reason, q.at)) for q in tier.quarantined()] == [(left, record)]
+
+
 def test_regression_a_release_gave_back_a_slot_whose_free_began_while_its_extent_was_checked(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1631,11 +1631,12 @@ class DiskTier:
         quarantine's is: the reason it had stays), and so does one that a read begun before
         its quarantine still has in flight (that read, failing, would hold it again, perhaps
         once handed out), or that the store is freeing still (``removing``: handed out, its
-        new block's row would go with the next block commit, and the slot with that free).
-        A slot whose
-        check failed is ``tried`` in ``quarantined`` until it is released or a read
-        quarantines it again, so that a caller of releases naming none can tell when the
-        slots left are only those (one kept for a read in flight, or a free, is not). The
+        new block's row would go with the next block commit, and the slot with that free):
+        these two are left unchecked, their record (why their read failed, and when) as it
+        was, and not ``tried``. A slot whose check failed is ``tried`` in ``quarantined``
+        until it is released or a read quarantines it again, so that a caller of releases
+        naming none can tell when the slots left are only those (one kept for a read in
+        flight, or a free, is not). The
         rows of the slots released (their quarantine rows, and a block
         row that a failed quarantine update left) are durably deleted before the allocator
         may hand them out, so a crash after a release brings no old block back.
@@ -1681,15 +1682,17 @@ class DiskTier:
             with self._state_lock:
                 # Read before their quarantine, and failing yet: given back now, a slot would be
                 # quarantined again by that read, perhaps once handed out to another block.
-                checked = {s: "a read of it was in flight" for s in todo if s in self._reading}
+                skipped = {s: "a read of it was in flight" for s in todo if s in self._reading}
                 # On their way to ``remove`` (``_freeing``): handed out again, a slot's new
                 # row would go with the next block commit, and the slot with that remove.
                 for s in todo:
-                    if s in self._freeing and s not in checked:
-                        checked[s] = "its free was not done yet"
-            # Not checked: the next release tries them again.
-            in_flight = set(checked)
-            check = [s for s in todo if s not in checked]
+                    if s in self._freeing and s not in skipped:
+                        skipped[s] = "its free was not done yet"
+            # Not checked: the next release tries them again. No check of theirs failed, so
+            # they keep their quarantine's record (why their read failed, and when) and count
+            # neither as tried nor against a read fault's end.
+            check = [s for s in todo if s not in skipped]
+            checked: dict[int, str] = {}
             group: dict[int, int] = {}
             group_bytes = 0
             for slot in check:
@@ -1728,9 +1731,8 @@ class DiskTier:
                 late = [s for s in passed if s in self._freeing]
                 if late:
                     passed = [s for s in passed if s not in self._freeing]
-                    failed.update(dict.fromkeys(late, "its free was not done yet"))
-                    in_flight.update(late)
-                self._tried.update(slot for slot in failed if slot not in in_flight)
+                    skipped.update(dict.fromkeys(late, "its free was not done yet"))
+                self._tried.update(failed)
                 # Their block rows are gone with the drop: handed out, a slot left here
                 # would lose its new row to the next block commit.
                 self._unremoved.difference_update(passed)
@@ -1742,8 +1744,8 @@ class DiskTier:
                     self.allocator.release(slot)
         if passed:
             log.warning("L2: %d quarantined slot(s) checked and returned to service", len(passed))
-            if not failed:
-                self.faults.read_checked()
+        if checked and not failed:
+            self.faults.read_checked()
         if failed:
             log.warning(
                 "L2: %d quarantined slot(s) failed their check and stay quarantined (first: "
@@ -1751,12 +1753,21 @@ class DiskTier:
                 len(failed),
                 *next(iter(failed.items())),
             )
+        if skipped:
+            log.info(
+                "L2: %d quarantined slot(s) left held, unchecked, for a later release (first: "
+                "slot %d: %s)",
+                len(skipped),
+                *next(iter(skipped.items())),
+            )
         now = self._clock()
+        kept = [(slot, why, True) for slot, why in failed.items()]
+        kept += [(slot, why, False) for slot, why in skipped.items()]
         return QuarantineRelease(
             passed,
             [
-                self._held(slot, held[slot], f"release: {why}", now, slot not in in_flight)
-                for slot, why in failed.items()
+                self._held(slot, held[slot], f"release: {why}", now, tried)
+                for slot, why, tried in sorted(kept)
             ],
         )
 
