@@ -2339,6 +2339,29 @@ def test_regression_the_start_after_one_refused_once_it_moved_the_index_aside_sa
         assert tier.health().detail.startswith("index was missing beside 4 data file(s)")
 
 
+def test_regression_a_file_named_as_a_moved_aside_index_of_no_such_time_failed_the_start(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Where the index was missing beside its data files, the start read the time in the name
+    of the newest file named as ``_move_aside`` names an index it moves aside; one of no such
+    time (month 13: a copy an operator named by hand) raised ValueError out of the open, which
+    kvtierd's start does not catch (a traceback), and hid a real one moved aside before it.
+    Such a file is not one the tier moved aside: left out."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(4)), 4096)
+    (disk_dir / "index.sqlite3").unlink()
+    later = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() + 3600))
+    (disk_dir / f"index.sqlite3.corrupt-{later}").write_bytes(b"")
+    (disk_dir / "index.sqlite3.corrupt-99991301T000000").write_bytes(b"")
+    with _open(disk_dir) as tier:
+        detail = tier.health().detail
+        assert f"to index.sqlite3.corrupt-{later} by an earlier start" in detail, detail
+    (disk_dir / "index.sqlite3").unlink()
+    (disk_dir / f"index.sqlite3.corrupt-{later}").unlink()
+    with _open(disk_dir) as tier:
+        assert tier.health().detail.startswith("index was missing beside 4 data file(s)")
+
+
 def _crash_image(directory: Path, to: Path) -> Path:
     """The files of ``directory`` as a crash would leave them to the next start: what their
     paths name now (a file removed while open is gone with the process)."""

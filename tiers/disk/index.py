@@ -253,15 +253,20 @@ _ASIDE_WHY = {"corrupt": "as damaged", "old": "as made for another layout"}
 
 def last_moved_aside(directory: Path) -> MovedAside | None:
     """The index an open moved aside in ``directory`` last, as the names ``_move_aside`` gives
-    the files tell; None where there is none."""
-    found: list[tuple[str, int, str, str]] = []
+    the files tell; None where there is none. A name of that form whose time is no time
+    (month 13: a copy named by hand) is no file ``_move_aside`` made: left out."""
+    found: list[tuple[int, int, str, str]] = []
     for path in directory.glob(f"{INDEX_NAME}.*-*"):
-        if (m := _ASIDE_NAME.fullmatch(path.name)) is not None:
-            found.append((m[2], int(m[3] or 1), m[1], path.name))
+        if (m := _ASIDE_NAME.fullmatch(path.name)) is None:
+            continue
+        try:
+            at = calendar.timegm(time.strptime(m[2], _ASIDE_STAMP))
+        except ValueError:
+            continue
+        found.append((at, int(m[3] or 1), m[1], path.name))
     if not found:
         return None
-    stamp, _, word, name = max(found)
-    at = calendar.timegm(time.strptime(stamp, _ASIDE_STAMP))
+    at, _, word, name = max(found)
     return MovedAside(name, _ASIDE_WHY[word], float(at))
 
 
