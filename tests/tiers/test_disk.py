@@ -1000,6 +1000,34 @@ def test_regression_a_new_index_that_sqlite_could_not_make_escaped_as_an_sqlite_
         assert tier.health().state is Health.OK
 
 
+def test_regression_a_new_index_whose_wal_could_not_be_made_was_left_to_be_moved_aside(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """An error of the system's (not SQLite's) making a new index's WAL or shared memory
+    (EISDIR here: a folder where its WAL goes; EIO, EACCES) left the index file the open had
+    made, empty, and the refusal said "cannot open" and named no index moved aside before.
+    The next start took that file for a damaged index and moved it aside ("is empty or
+    truncated"), in place of saying that the index was missing beside its data files. The
+    open removes what it made, as after SQLite's errors, and the start is refused as one
+    that could not make the index."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(4)), 4096)
+    for end in ("", "-wal", "-shm"):
+        (disk_dir / f"index.sqlite3{end}").unlink(missing_ok=True)
+    (disk_dir / "index.sqlite3-wal").mkdir()
+    with pytest.raises(TierUnavailable) as e:
+        _open(disk_dir)
+    assert str(e.value).startswith(
+        f"cannot make the L2 index {disk_dir / 'index.sqlite3'} (index: EISDIR: "
+    ), str(e.value)
+    assert not (disk_dir / "index.sqlite3").exists()
+    (disk_dir / "index.sqlite3-wal").rmdir()
+    with _open(disk_dir) as tier:
+        assert tier.health().detail.startswith("index was missing beside 4 data file(s)")
+        assert "index_moved_aside" not in tier.faults.snapshot()
+    assert not list(disk_dir.glob("index.sqlite3.corrupt-*"))
+
+
 _EXCLUSIVE_HOLDER = """
 import sqlite3, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None)

@@ -312,12 +312,19 @@ class IndexNoRoom(sqlite3.OperationalError):
 class IndexNotMade(sqlite3.OperationalError):
     """A new index (none was found, or the one found was moved aside: ``moved_aside``,
     ``moved_to``) could not be made, its file removed again so that the next open makes it
-    anew. It carries the failure's SQLite code, read by ``classify`` as that failure's."""
+    anew. It carries the failure's SQLite code, read by ``classify`` as that failure's; for
+    an error of the system's making one of its files (EIO, EACCES), named by its errno, a full
+    disk's read as SQLITE_FULL."""
 
-    def __init__(self, cause: sqlite3.Error, moved_aside: str, moved_to: str) -> None:
+    def __init__(self, cause: sqlite3.Error | OSError, moved_aside: str, moved_to: str) -> None:
         super().__init__(str(cause))
-        self.sqlite_errorcode = getattr(cause, "sqlite_errorcode", 0)
-        self.sqlite_errorname = getattr(cause, "sqlite_errorname", type(cause).__name__)
+        if isinstance(cause, OSError):
+            full = classify(cause).kind == "enospc"
+            self.sqlite_errorcode = IndexNoRoom.sqlite_errorcode if full else 0
+            self.sqlite_errorname = errno.errorcode.get(cause.errno or 0, type(cause).__name__)
+        else:
+            self.sqlite_errorcode = getattr(cause, "sqlite_errorcode", 0)
+            self.sqlite_errorname = getattr(cause, "sqlite_errorname", type(cause).__name__)
         self.moved_aside = moved_aside
         self.moved_to = moved_to
 
@@ -979,12 +986,13 @@ class DiskIndex:
             self._write_meta(made)
         except IndexFilesReplaced:
             raise  # a link at a path: not a file made here
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             # Left, the files (an index empty or without its metadata, a WAL of its schema)
             # were taken by the next open, the tier's once its reserve was given back for
             # the room, for a damaged index: moved aside as such, it named the wrong file and
-            # reason in place of the one moved aside here. They hold nothing yet: the next
-            # open makes them anew.
+            # reason in place of the one moved aside here (or the index missing beside its
+            # data files). They hold nothing yet: the next open makes them anew. So after a
+            # system call's error too (EIO, EACCES or EISDIR making the WAL: ``_connect``).
             if made is not None:
                 with contextlib.suppress(sqlite3.Error):
                     made.close()
