@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Callable, Iterable, MutableSequence, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import unquote
@@ -366,10 +366,17 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     Every request the clients build goes through here. Protobuf checks each value as it
     copies it in, so building the message is the only pass over the arguments; a call builds
     all its requests before it sends the first, so a refused one leaves the daemon untouched.
-    Only a refused message is built again, field by field, to name what it refused."""
+    Only a refused message is built again, field by field, to name what it refused. A
+    repeated field given an iterator (keys as a generator) takes it as a list, read once
+    here: protobuf's build used it up, so building the field again to name it found it empty
+    and took it, and the refusal named no field."""
     for value in fields.values():
         if value is None:
             raise _refused(message, fields, None)
+    for name in _repeated_fields(message):
+        value = fields.get(name)
+        if type(value) not in (list, tuple) and isinstance(value, Iterator):
+            fields[name] = list(value)  # type: ignore[assignment]
     # OverflowError: protobuf's answer to an int past C's long for a bool field (pin, durable).
     try:
         request = message(*args, **fields)
@@ -384,6 +391,18 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     if parent:
         _check_keys(message, [parent], "parent_key")
     return request
+
+
+# Each message's repeated fields, by message class (see ``build_request``).
+_REPEATED: dict[Any, tuple[str, ...]] = {}
+
+
+def _repeated_fields(message: Any) -> tuple[str, ...]:
+    names = _REPEATED.get(message)
+    if names is None:
+        fields = message.DESCRIPTOR.fields
+        names = _REPEATED[message] = tuple(f.name for f in fields if f.is_repeated)
+    return names
 
 
 def _check_keys(message: Any, keys: Sequence[bytes], name: str = "keys") -> None:
