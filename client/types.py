@@ -369,18 +369,24 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     Only a refused message is built again, field by field, to name what it refused. A
     repeated field given an iterator (keys as a generator) takes it as a list, read once
     here: protobuf's build used it up, so building the field again to name it found it empty
-    and took it, and the refusal named no field."""
+    and took it, and the refusal named no field. A bool field (``pin``, ``durable``) takes
+    a bool, Python's or NumPy's, and no int: protobuf took any int up to C's long, so
+    ``pin=2`` (or -1) pinned, and an integer field refuses a bool as the client refuses it
+    for its own int arguments (``checked_int``)."""
     for value in fields.values():
         if value is None:
             raise _refused(message, fields, None)
-    for name in _repeated_fields(message):
+    repeated, bools = _field_kinds(message)
+    for name in repeated:
         value = fields.get(name)
         if type(value) not in (list, tuple) and isinstance(value, Iterator):
             fields[name] = list(value)  # type: ignore[assignment]
-    # OverflowError: protobuf's answer to an int past C's long for a bool field (pin, durable).
+    for name in bools:
+        if name in fields and not isinstance(fields[name], (bool, np.bool_)):
+            raise _refused(message, fields, None)
     try:
         request = message(*args, **fields)
-    except (TypeError, ValueError, OverflowError) as e:
+    except (TypeError, ValueError) as e:
         raise _refused(message, fields, e) from None
     if "keys" in fields:
         keys: Any = fields["keys"]
@@ -393,16 +399,24 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     return request
 
 
-# Each message's repeated fields, by message class (see ``build_request``).
-_REPEATED: dict[Any, tuple[str, ...]] = {}
+# Each message's repeated fields and its (single) bool fields, by message class (see
+# ``build_request``).
+_FIELD_KINDS: dict[Any, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def _repeated_fields(message: Any) -> tuple[str, ...]:
-    names = _REPEATED.get(message)
-    if names is None:
+def _field_kinds(message: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    kinds = _FIELD_KINDS.get(message)
+    if kinds is None:
         fields = message.DESCRIPTOR.fields
-        names = _REPEATED[message] = tuple(f.name for f in fields if f.is_repeated)
-    return names
+        kinds = _FIELD_KINDS[message] = (
+            tuple(f.name for f in fields if f.is_repeated),
+            tuple(f.name for f in fields if _is_bool(f) and not f.is_repeated),
+        )
+    return kinds
+
+
+def _is_bool(field: FieldDescriptor) -> bool:
+    return field.cpp_type == FieldDescriptor.CPPTYPE_BOOL
 
 
 def _check_keys(message: Any, keys: Sequence[bytes], name: str = "keys") -> None:
@@ -566,13 +580,15 @@ def _field_problem(message: Any, name: str, value: object) -> str | None:
         return f"{name}: expected {expected}, not NoneType"
     if repeated and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
         return f"{name}: expected a sequence, not {type(value).__name__}"
+    if type(default) is bool and not isinstance(value, (bool, np.bool_)):
+        return f"{name}: expected bool, not {type(value).__name__}"
     try:
         message(**{name: value})
     except TypeError as e:
         if repeated:  # protobuf names the item's type
             return f"{name}: {_protobuf_text(e)}"
         return f"{name}: expected {type(default).__name__}, not {type(value).__name__}"
-    except (ValueError, OverflowError) as e:
+    except ValueError as e:
         # An integer out of its field's range, in protobuf's words but for what the field
         # holds: protobuf's own text shows the value, and for one past 4,300 digits it was
         # Python's refusal to print it ("Exceeds the limit (4300 digits) ...").
@@ -588,8 +604,7 @@ def _field_problem(message: Any, name: str, value: object) -> str | None:
     return None
 
 
-# What each integer field holds, as its refusals say it (an enum is an int32 on the wire; a
-# bool field takes any C long, and holds true or false).
+# What each integer field holds, as its refusals say it (an enum is an int32 on the wire).
 _INT_FIELDS = {
     FieldDescriptor.CPPTYPE_INT32: ("an int32: -2147483648 to 2147483647", -(2**31), 2**31 - 1),
     FieldDescriptor.CPPTYPE_ENUM: ("an int32: -2147483648 to 2147483647", -(2**31), 2**31 - 1),
@@ -600,7 +615,6 @@ _INT_FIELDS = {
         2**63 - 1,
     ),
     FieldDescriptor.CPPTYPE_UINT64: ("a uint64: 0 to 18446744073709551615", 0, 2**64 - 1),
-    FieldDescriptor.CPPTYPE_BOOL: ("a bool: True or False", -(2**63), 2**63 - 1),
 }
 
 

@@ -116,14 +116,22 @@ CASES: list[tuple[str, Call, str]] = [
     ("prefetch-none-priority", lambda c, p: c.prefetch([KEY], priority=None), r"^Prefetch: priority: expected int, not NoneType$"),
     ("delete-none-tenant", lambda c, p: c.delete([KEY], tenant=None), r"^Delete: tenant: expected str, not NoneType$"),
     ("drain-none-resume", lambda c, p: c.drain(resume=None), r"^Drain: resume: expected bool, not NoneType$"),
-    # a bool field given an int past C's long: protobuf's OverflowError, not a ValueError
-    ("lookup-huge-pin", lambda c, p: c.lookup([KEY], pin=2**64), r"^Lookup: pin: value out of range: 18446744073709551616 \(a bool: True or False\)$"),
-    ("put-huge-durable", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=-(2**70)), r"^Put: durable: value out of range: -1180591620717411303424 \(a bool: True or False\)$"),
-    ("submit-save-huge-durable", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2])], durable=2**64), r"^Put: durable: value out of range: 18446744073709551616 \(a bool: True or False\)$"),
-    ("drain-huge-resume", lambda c, p: c.drain(resume=2**64), r"^Drain: resume: value out of range: 18446744073709551616 \(a bool: True or False\)$"),
+    # a bool field takes a bool (or NumPy's), not any int: protobuf took 2 (and -1, and any
+    # int up to C's long) as True, and one past it was its OverflowError
+    ("lookup-int-pin", lambda c, p: c.lookup([KEY], pin=2), r"^Lookup: pin: expected bool, not int$"),
+    ("lookup-one-pin", lambda c, p: c.lookup([KEY], pin=1), r"^Lookup: pin: expected bool, not int$"),
+    ("lookup-numpy-int-pin", lambda c, p: c.lookup([KEY], pin=np.int64(1)), r"^Lookup: pin: expected bool, not int64$"),
+    ("put-zero-durable", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=0), r"^Put: durable: expected bool, not int$"),
+    ("submit-save-int-durable", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2])], durable=-1), r"^Put: durable: expected bool, not int$"),
+    ("drain-int-resume", lambda c, p: c.drain(resume=2), r"^Drain: resume: expected bool, not int$"),
+    ("quarantine-int-release", lambda c, p: c.quarantine(release=1), r"^Quarantine: release: expected bool, not int$"),
+    ("lookup-huge-pin", lambda c, p: c.lookup([KEY], pin=2**64), r"^Lookup: pin: expected bool, not int$"),
+    ("put-huge-durable", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=-(2**70)), r"^Put: durable: expected bool, not int$"),
+    ("submit-save-huge-durable", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2])], durable=2**64), r"^Put: durable: expected bool, not int$"),
+    ("drain-huge-resume", lambda c, p: c.drain(resume=2**64), r"^Drain: resume: expected bool, not int$"),
     ("release-lease-past-4300-digits", lambda c, p: c.release(10**5000), r"^Release: lease_id: value out of range: an int of 16610 bits \(a uint64: 0 to 18446744073709551615\)$"),
     ("put-page-past-4300-digits", lambda c, p: c.put(p.pool_id, [KEY], [-(10**5000)]), r"^Put: pages: value out of range: a negative int of 16610 bits \(a uint32: 0 to 4294967295\)$"),
-    ("lookup-pin-past-4300-digits", lambda c, p: c.lookup([KEY], pin=10**5000), r"^Lookup: pin: value out of range: an int of 16610 bits \(a bool: True or False\)$"),
+    ("lookup-pin-past-4300-digits", lambda c, p: c.lookup([KEY], pin=10**5000), r"^Lookup: pin: expected bool, not int$"),
     ("store-keys-page-past-4300-digits", lambda c, p: c.store_keys(p, KEYS, [0, 1, 10**5000]), r"^Put: pages: value out of range: an int of 16610 bits \(a uint32: 0 to 4294967295\)$"),
     ("unregister-none-pool", lambda c, p: c.unregister_pool(None), r"^UnregisterPool: pool_id: expected int, not NoneType$"),
     # keys the daemon refuses, refused before sending
@@ -475,11 +483,12 @@ def test_regression_an_int_field_past_4300_digits_was_refused_in_pythons_words(s
     "lease_id: Exceeds the limit (4300 digits) for integer string conversion ...", and a
     bool field's (``lookup(keys, pin=10**5000)``) raised that ValueError, no
     InvalidArgumentError. The refusal names the field, the value by its size, and what the
-    field holds (the cases above with "past-4300" in their ids, both clients)."""
+    field holds (the cases above with "past-4300" in their ids, both clients); a bool field
+    takes no int at all."""
     with Client(shared_daemon.address) as client:
         with pytest.raises(InvalidArgumentError, match=r"^Release: lease_id: .* 16610 bits \(a"):
             client.release(10**5000)
-        with pytest.raises(InvalidArgumentError, match=r"^Lookup: pin: .* 16610 bits \(a bool"):
+        with pytest.raises(InvalidArgumentError, match=r"^Lookup: pin: expected bool, not int$"):
             client.lookup([KEY], pin=10**5000)
 
 
@@ -705,3 +714,22 @@ async def test_an_async_clients_iterator_arguments_are_read_once(shared_daemon, 
         assert (await client.put(pool.pool_id, iter(KEYS), iter([0, 1, 2]))).prefix_len == 3
         assert (await client.lookup(k for k in KEYS)).prefix_len == 3
         assert (await client.get(pool.pool_id, iter(KEYS), iter([0, 1, 2]))).prefix_len == 3
+
+
+def test_numpy_bools_work_where_bools_do(shared_daemon, shm):
+    """A bool field takes NumPy's bool as it takes Python's (and refuses ints, above)."""
+    with Client(shared_daemon.address) as client:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert client.put(pool.pool_id, KEYS, [0, 1, 2], durable=np.False_).prefix_len == 3
+        found = client.lookup(KEYS, pin=np.True_)
+        assert found.prefix_len == 3 and found.lease_id != 0
+        client.release(found.lease_id)
+
+
+async def test_an_async_clients_numpy_bools_work_where_bools_do(shared_daemon, shm):
+    async with AsyncClient(shared_daemon.address) as client:
+        pool = await client.register_pool(shm, LAYOUT, NS)
+        assert (await client.put(pool.pool_id, KEYS, [0, 1, 2], durable=np.False_)).stored >= 0
+        found = await client.lookup(KEYS, pin=np.True_)
+        assert found.prefix_len == 3 and found.lease_id != 0
+        await client.release(found.lease_id)
