@@ -1656,9 +1656,12 @@ def wait_until_serving(
     """Wait until the daemon at ``address`` answers its health check with SERVING.
 
     ``check`` is called between attempts and may raise to give up early (e.g. when the
-    daemon's process exited). Raises TimeoutError when the time runs out.
+    daemon's process exited). Raises TimeoutError when the time runs out, and
+    InvalidArgumentError for a ``timeout_s`` that is not a finite number of seconds >= 0
+    (a negative or NaN one gave up without asking, an infinite one waited for ever).
     """
-    deadline = time.monotonic() + timeout_s
+    limit_s = t.checked_seconds(timeout_s, "wait_until_serving: timeout_s", optional=False)
+    deadline = time.monotonic() + (limit_s or 0.0)  # never None: optional=False
     while time.monotonic() < deadline:
         if check is not None:
             check()

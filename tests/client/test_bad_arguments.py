@@ -414,6 +414,29 @@ def test_regression_an_address_that_is_no_str_raised_an_untyped_error(client_typ
         wait_until_serving(address, timeout_s=30)  # at once: waiting will not mend it
 
 
+@pytest.mark.parametrize(
+    ("timeout_s", "message"),
+    [
+        (-1, r"expected a finite number of seconds >= 0, not -1$"),
+        (float("nan"), r"expected a finite number of seconds >= 0, not nan$"),
+        (float("inf"), r"expected a finite number of seconds >= 0, not inf$"),
+        (1e10, r"expected at most 1e\+09 seconds \(about 31 years\), not 10000000000.0$"),
+        ("30", r"expected a number of seconds, not '30'$"),
+        (None, r"expected a number of seconds, not None$"),
+        (True, r"expected a number of seconds, not True$"),
+    ],
+    ids=["negative", "nan", "inf", "years", "str", "None", "bool"],
+)
+def test_regression_wait_until_serving_took_any_timeout(shared_daemon, timeout_s, message):
+    """``wait_until_serving`` read its ``timeout_s`` unchecked: a negative or NaN one raised
+    TimeoutError without asking the daemon once ("not serving after nans"), an infinite
+    one waited for ever on a daemon that never came, and a str one raised Python's
+    TypeError. It is refused as the calls' timeouts are, with a serving daemon there."""
+    with pytest.raises(InvalidArgumentError, match=r"^wait_until_serving: timeout_s: " + message):
+        wait_until_serving(shared_daemon.address, timeout_s=timeout_s)
+    wait_until_serving(shared_daemon.address, timeout_s=np.float32(30))
+
+
 @pytest.mark.parametrize("client_type", [Client, AsyncClient])
 def test_a_token_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path, client_type):
     missing = tmp_path / "missing.token"
