@@ -92,6 +92,7 @@ class Namespace:
                 raise InvalidArgumentError(
                     f"namespace {name}: not encodable as UTF-8 ({e.reason})"
                 ) from None
+        ints: dict[str, int] = {}
         for name in _U32_FIELDS:
             number = getattr(self, name)
             if (value := as_int(number)) is None:
@@ -103,12 +104,19 @@ class Namespace:
             # The int itself: a 0-d array kept as given made the namespace unhashable, and a
             # tensor hashed it by its identity, unlike the equal namespace of the int.
             object.__setattr__(self, name, value)
+            ints[name] = value
         if not self.model:
-            raise ValueError("namespace model must not be empty")
-        if self.block_tokens < 1:
-            raise ValueError("block_tokens must be at least 1")
-        if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.pp_rank < self.pp_size:
-            raise ValueError("ranks must satisfy 0 <= rank < size")
+            raise InvalidArgumentError("namespace model: must not be empty")
+        if ints["block_tokens"] < 1:
+            raise InvalidArgumentError(
+                f"namespace block_tokens: must be at least 1 (got {ints['block_tokens']})"
+            )
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            if not ints[rank] < ints[size]:  # both >= 0 (checked above)
+                raise InvalidArgumentError(
+                    f"namespace {rank}: must be below {size} (got {ints[rank]}, {size} "
+                    f"{ints[size]})"
+                )
 
     def seed(self) -> bytes:
         h = hashlib.sha256(_NS_TAG)

@@ -130,6 +130,33 @@ def test_bad_namespaces_are_refused():
 @pytest.mark.parametrize(
     ("field", "message"),
     [
+        ({"model": ""}, r"^namespace model: must not be empty$"),
+        ({"block_tokens": 0}, r"^namespace block_tokens: must be at least 1 \(got 0\)$"),
+        (
+            {"tp_rank": 2, "tp_size": 2},
+            r"^namespace tp_rank: must be below tp_size \(got 2, tp_size 2\)$",
+        ),
+        (
+            {"pp_rank": 0, "pp_size": 0},
+            r"^namespace pp_rank: must be below pp_size \(got 0, pp_size 0\)$",
+        ),
+    ],
+    ids=lambda v: ",".join(f"{k}={v[k]!r}" for k in v) if isinstance(v, dict) else "",
+)
+def test_regression_a_namespaces_older_refusals_were_plain_value_errors(field, message):
+    """An empty model, a block size of 0 and a rank not below its size were refused with a
+    plain ValueError naming no field ("ranks must satisfy 0 <= rank < size"), where the
+    namespace's other refusals are InvalidArgumentError (a KvtierError, and a ValueError
+    too) naming it: a caller catching KvtierError missed them. They are refused so too."""
+    fields = {"model": "m", "kv_dtype": "float16", "block_tokens": 4, **field}
+    with pytest.raises(InvalidArgumentError, match=message) as caught:
+        Namespace(**fields)
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
         ({"block_tokens": 4.0}, r"^namespace block_tokens: expected int, not float$"),
         ({"block_tokens": True}, r"^namespace block_tokens: expected int, not bool$"),
         ({"block_tokens": 2**32}, r"^namespace block_tokens: must lie in \[0, 2\*\*32\)$"),
