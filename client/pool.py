@@ -168,15 +168,19 @@ class SharedMemoryPool:
         registering hands to the daemon. Taken under the lock ``close()`` takes, so a
         ``close()`` on another thread can neither close it under the hand-over (which then
         failed with EBADF) nor free its number for another file to take (which then went to
-        the daemon instead). Raises ``closed_error()`` once ``close()`` ran."""
-        with self._close_lock:
-            if self.closed:
-                raise self.closed_error()
-            fd = os.dup(self.fd)
+        the daemon instead). Raises ``closed_error()`` once ``close()`` ran. The duplicate is
+        taken inside the ``try`` that closes it: an interrupt (KeyboardInterrupt) as the
+        lock was let go left it open for the process's life."""
+        fd = -1
         try:
+            with self._close_lock:
+                if self.closed:
+                    raise self.closed_error()
+                fd = os.dup(self.fd)
             yield fd
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def _mapping(self) -> mmap.mmap:
         if not self._mapped:

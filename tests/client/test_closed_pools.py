@@ -5,9 +5,12 @@ pool, not the mapping's ValueError, torch's RuntimeError or the daemon's NotFoun
 from __future__ import annotations
 
 import asyncio
+import dis
 import os
+import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 
 import pytest
 import torch
@@ -223,3 +226,62 @@ async def test_regression_a_cancelled_async_registration_closed_the_descriptor_s
             while not sent:
                 await asyncio.sleep(0.001)
             assert sent == [inode]
+
+
+def _memfd_descriptors(shm: SharedMemoryPool) -> list[int]:
+    """This process's descriptors of ``shm``'s memory file, in the order listed."""
+    inode = os.fstat(shm.fd).st_ino
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.fstat(int(name)).st_ino == inode:
+                found.append(int(name))
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+    return found
+
+
+def _interrupt_once_duplicated(frame: FrameType, event: str, arg: object) -> object:
+    """A trace that raises a KeyboardInterrupt in ``SharedMemoryPool.descriptor`` after the
+    first call that ends once its duplicate is taken (the lock's release): where a signal's
+    handler raises, as a call returns (an opcode trace can raise at any instruction, a
+    signal's handler only where the interpreter checks for one)."""
+    if event != "call" or frame.f_code is not SharedMemoryPool.descriptor.__wrapped__.__code__:
+        return None
+    previous = [-1]
+
+    def at_opcode(frame: FrameType, event: str, arg: object) -> object:
+        frame.f_trace_opcodes = True
+        if event != "opcode":
+            return at_opcode
+        if previous[0] == CALL and frame.f_locals.get("fd", -1) >= 0:
+            sys.settrace(None)
+            frame.f_trace_opcodes = False
+            frame.f_trace = None  # once: the frame's cleanup runs untraced
+            raise KeyboardInterrupt
+        previous[0] = frame.f_code.co_code[frame.f_lasti]
+        return at_opcode
+
+    return at_opcode(frame, event, arg)
+
+
+CALL = dis.opmap["CALL"]
+
+
+def test_regression_a_descriptor_interrupted_once_duplicated_leaked_the_duplicate():
+    """A KeyboardInterrupt that came after ``descriptor`` took its duplicate of the memory
+    file's descriptor, before the ``try`` whose ``finally`` closes it (as the lock it was
+    taken under was let go), left the duplicate open: a descriptor, and the memory with it,
+    for the process's life. The duplicate is closed however the block is left."""
+    with SharedMemoryPool(4096, name="interrupted", backing="memfd") as shm:
+        held = _memfd_descriptors(shm)  # the pool's, and its mapping's (mmap keeps one)
+        sys.settrace(_interrupt_once_duplicated)
+        try:
+            with pytest.raises(KeyboardInterrupt), shm.descriptor():
+                pytest.fail("the interrupt comes before the block")
+        finally:
+            sys.settrace(None)
+        assert _memfd_descriptors(shm) == held
+        with shm.descriptor() as fd:  # the pool still hands its memory over
+            assert sorted(_memfd_descriptors(shm)) == sorted([*held, fd])
+        assert _memfd_descriptors(shm) == held
