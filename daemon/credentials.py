@@ -21,8 +21,9 @@ Invariants:
   session meanwhile (``SessionEnded``: a reload, or a session its client gave up) is given
   back, good until it expires as before, since the client sends the same request with it
   again in a new session.
-- A pool ticket owns its fd until it is redeemed (the caller then owns it) or expires (the
-  fd is closed); given back, it owns it again. Only memory-backed fds are kept: memfds and
+- A pool ticket owns its fd until it is redeemed (the caller then owns it), discarded (a
+  registration refused before redeeming it: the fd is closed) or expires (the fd is
+  closed); given back, it owns it again. Only memory-backed fds are kept: memfds and
   tmpfs files, the files on which F_GET_SEALS succeeds. They cannot stall a page fault on a
   remote or user-space filesystem. They must be open for reading and writing, and not sealed
   against writing (the daemon writes loaded blocks into them).
@@ -239,6 +240,15 @@ class TicketBook:
         ):
             del self._tickets[digest]
             self._forget(ticket)
+
+    def discard(self, secret: bytes) -> None:
+        """Spend ``secret`` unused, its fd closed, if the book holds it: the request that
+        carried it was refused before redeeming it, and is not sent again with it. Nothing
+        otherwise."""
+        ticket = self._tickets.pop(ticket_digest(secret), None) if len(secret) == 32 else None
+        if ticket is not None:
+            self._forget(ticket)
+            self._drop_fd(ticket)
 
     def give_back(self, secret: bytes, ticket: Ticket) -> None:
         """Make ``ticket``, redeemed with ``secret``, good again until it expires as it would

@@ -512,7 +512,13 @@ class KVTierServicer:
                 request.session_id, request.shm.name, request.shm.size_bytes, layout
             )
         elif region == "fd":
-            layout = layout_from_pb(request.layout)
+            try:
+                layout = layout_from_pb(request.layout)
+            except InvalidArgument:
+                # Refused before the service redeems the ticket: spent here, its fd closed
+                # (see ``KVService.register_fd_pool``).
+                self.service.tickets.discard(request.fd.ticket)
+                raise
             pool = await self.service.register_fd_pool(
                 request.session_id, request.fd.ticket, request.fd.size_bytes, layout
             )

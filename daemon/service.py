@@ -404,12 +404,16 @@ class KVService:
         """As ``register_shm_pool``, for a memory fd handed over with ``ticket``. Where the
         daemon ends the session while the memory is mapped (SessionEnded: a reload, or its
         client gave it up), the ticket is given back with its fd: the client sends this
-        request again, with the same ticket, in a new session."""
+        request again, with the same ticket, in a new session (as it does where the session
+        is gone before: NotFound, the ticket untouched). Any other refusal spends it and
+        closes its fd: one refused before it was redeemed (a limit, a layout that does not
+        fit) stayed in the book until it expired, one of its uid's unused tickets, though
+        no client sends that request again."""
         session = self.sessions.get(session_id)
-        check_host_region(size_bytes, layout)
-        peer = self._check_may_register(session, layout, size_bytes)
         handed = self.tickets.redeem(ticket, TicketKind.POOL)
         try:
+            check_host_region(size_bytes, layout)
+            peer = self._check_may_register(session, layout, size_bytes)
             if handed.peer.uid != peer.uid:
                 raise PermissionDenied(
                     f"the memory was handed over by uid {handed.peer.uid}, not by this "

@@ -208,7 +208,8 @@ def test_regression_a_pool_beyond_int64_or_malformed_was_told_to_wait_for_room(d
     mapping reaches) was RESOURCE_EXHAUSTED, "would pass server.max_pool_bytes_per_tenant",
     and so was a malformed layout from a session at its pool limit: told to retry once
     room is made for a request that can never succeed. The request's own content is
-    checked first (INVALID_ARGUMENT), and the ticket stays good for a right request."""
+    checked first (INVALID_ARGUMENT); the refusal spends the ticket, its memfd closed (kept,
+    it held the memfd until it expired, though no client sends it again)."""
     d = daemon_factory("server.max_pools_per_session=1")
     with (
         d.client() as client,
@@ -217,13 +218,17 @@ def test_regression_a_pool_beyond_int64_or_malformed_was_told_to_wait_for_room(d
     ):
         path = cred.cred_socket_path(d.address)
         assert path is not None
-        ticket = cred.pool_ticket(path, shm.fd)
         for size in (2**63, 2**64 - 1):
+            ticket = cred.pool_ticket(path, shm.fd)
             with pytest.raises(grpc.RpcError) as info:
                 _register_fd(client, ticket, size, layout_to_pb(LAYOUT))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
             assert "size_bytes" in info.value.details()
-        # Refused before the ticket was spent: it registers the memory at its real size.
+        # The refusal spent the ticket: a new one registers the memory at its real size.
+        with pytest.raises(grpc.RpcError) as info:
+            _register_fd(client, ticket, LAYOUT.extent_bytes, layout_to_pb(LAYOUT))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+        ticket = cred.pool_ticket(path, shm.fd)
         pool = _register_fd(client, ticket, LAYOUT.extent_bytes, layout_to_pb(LAYOUT))
         # At the pool limit now: a malformed layout is still the request's own fault.
         ticket = cred.pool_ticket(path, other.fd)

@@ -1343,3 +1343,38 @@ async def test_regression_an_async_register_pool_whose_token_was_revoked_opened_
         await asyncio.to_thread(lambda: asyncio.run(engine_side(daemon.addresses[0])))
         assert daemon.store.counters.get("sessions_refused", reason="tenant") == 1
         assert len(daemon.pools) == 0
+
+
+@pytest.mark.parametrize("refusal", ["pools-per-session", "dtype", "size"])
+async def test_regression_a_refused_fd_registration_kept_its_ticket_until_it_expired(held, refusal):
+    """A memfd pool's RegisterPool refused before its ticket was redeemed (RESOURCE_EXHAUSTED
+    for a limit, INVALID_ARGUMENT for a layout or size the daemon cannot use) left the
+    ticket, and the memfd handed over with it, in the daemon until the ticket expired
+    (``TICKET_TTL_S``): one of the uid's ``MAX_TICKETS_PER_UID`` unused tickets for each
+    such call, though no client sends that request again. The ticket is spent, its memfd
+    closed, with the refusal."""
+    held.release.set()  # no mapping is held
+    async with running_daemon(held, "server.max_pools_per_session=1") as daemon:
+
+        def engine_side(address: str) -> None:
+            with (
+                SharedMemoryPool.for_layout(LAYOUT) as first,
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+                Client(address) as engine,
+            ):
+                if refusal == "pools-per-session":
+                    engine.register_pool(first, LAYOUT)
+                    with pytest.raises(ResourceExhaustedError, match="max_pools_per_session"):
+                        engine.register_pool(shm, LAYOUT)
+                    return
+                request = fd_request(engine, shm)
+                if refusal == "dtype":  # refused by the servicer
+                    request.layout.dtype = 0
+                else:  # by the service, the layout past the memory
+                    request.fd.size_bytes = 1
+                with pytest.raises(grpc.RpcError) as caught:
+                    engine.stub.RegisterPool(request, timeout=WAIT_S)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        await asyncio.to_thread(engine_side, daemon.addresses[0])
+        assert len(daemon.tickets) == 0
