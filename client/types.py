@@ -364,7 +364,8 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
     (both of which the daemon refuses too).
 
     Every request the clients build goes through here. Protobuf checks each value as it
-    copies it in, so building the message is the only pass over the arguments; a call builds
+    copies it in, so building the message is the only check of most arguments (an
+    iterator is read into a list first, a bool field's type looked at); a call builds
     all its requests before it sends the first, so a refused one leaves the daemon untouched.
     Only a refused message is built again, field by field, to name what it refused. A
     repeated field given an iterator (keys as a generator) takes it as a list, read once
