@@ -55,7 +55,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +69,7 @@ from kvtier.daemon.stack import Level, TierStack, TokenBucket
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
-from kvtier.tiers.base import Health, Priority, TierKind, WriteOutcomes
+from kvtier.tiers.base import BlockRef, Health, Priority, TierKind, WriteOutcomes
 from kvtier.tiers.executor import Urgency
 
 log = logging.getLogger(__name__)
@@ -1193,8 +1193,9 @@ class SpaceManager:
         # tenant's block for one.
         if level.persistent and not level.keyed:
             holds = self.hold_copies(level, victims)
+            refs = self.table.block_refs(victims)
             slots = self.drop_copies(victims, level)
-            freed = await asyncio.shield(self.free_held(level, slots, holds))
+            freed = await asyncio.shield(self.free_held(level, slots, holds, refs=refs))
         else:
             freed = await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
@@ -1222,6 +1223,7 @@ class SpaceManager:
         slots: list[int],
         holds: list[tuple[int, int]],
         repeats: list[int] | None = None,
+        refs: Sequence[BlockRef] | None = None,
     ) -> asyncio.Task[bool]:
         """``release`` of ``slots`` (dropped copies' slots of a persistent tier), then
         ``end_holds`` of ``holds``, as a background task (``spawn``) that a caller awaits
@@ -1233,12 +1235,15 @@ class SpaceManager:
         slot, and evict another tenant's block for one), until ``retry_frees`` frees them.
         ``repeats``: slots taken out of ``read_held`` (``free_read_held``), rows recovery
         replaced, freed with them and counted as ``recovered_repeats_dropped`` once freed,
-        as the others it drops are (``BlockStore._drop_repeated``)."""
-        if repeats:
-            slots = [*slots, *repeats]
+        as the others it drops are (``BlockStore._drop_repeated``). ``refs``: the blocks
+        that held ``slots`` (one each), so that only a put of one of their keys drops their
+        rows before the free (``SlotTier.removing``); without, any put does."""
         # Before the free is tried: a put of one of their keys that commits first drops the
         # rows with its own (``SlotTier.removing``).
-        level.slots.removing(slots)
+        level.slots.removing(slots, refs)
+        if repeats:
+            level.slots.removing(repeats)
+            slots = [*slots, *repeats]
 
         async def free() -> bool:
             freed = await self._release_logged(level, slots, "")
@@ -1356,12 +1361,12 @@ class SpaceManager:
     def free_when_idle(self, level: Level, slots: np.ndarray, bids: np.ndarray) -> None:
         """Free ``slots`` of ``level``, just taken from ``bids`` (in flight: a read may have
         named them before), once nobody holds those blocks (``read_held``). Their rows go
-        sooner, with the tier's next block commit (``SlotTier.removing``): kept till the
+        sooner, with the tier's next block commit of their keys (``SlotTier.removing``): kept till the
         free, a put of one of their keys (the block's later copy lost meanwhile, a failed
         read) committed its row beside the older one, which a crash then left to the next
         start's recovery to serve until it read the newer; and a release of one quarantined
         by a failed read of it handed it out before that free released it again."""
-        level.slots.removing(slots.tolist())
+        level.slots.removing(slots.tolist(), self.table.block_refs(bids))
         held = self.read_held.setdefault(level.kind, [])
         held += zip(slots.tolist(), self.table.refs(bids).tolist(), strict=True)
 

@@ -1688,7 +1688,7 @@ class BlockStore:
         old = self.table.slot[bids, level.col].tolist()
         holds = self.space.hold_copies(level, bids)
         self.table.clear_slots(bids, level.col)
-        self.space.free_held(level, old, holds)
+        self.space.free_held(level, old, holds, refs=self.table.block_refs(bids))
 
     # -------------------------------------------------------------------- reads
 
@@ -2098,11 +2098,13 @@ class BlockStore:
         # waits for it.
         removal = self.space.spawn(eager_future(self._remove_keyed(refs))) if refs else None
         # Held against their owners' quotas until a persistent tier has freed their slots,
-        # as evicted copies are (``SpaceManager.evict``).
+        # as evicted copies are (``SpaceManager.evict``). The blocks named with their slots,
+        # in the order those are released below.
         holds = [
-            (level, self.space.hold_copies(level, gone[table.slot[gone, level.col] >= 0]))
+            (level, self.space.hold_copies(level, held), table.block_refs(held))
             for level in self.stack
             if level.persistent and not level.keyed
+            for held in [gone[table.slot[gone, level.col] >= 0]]
         ]
         released: dict[TierKind, list[int]] = {}
         for bid in gone.tolist():
@@ -2114,8 +2116,8 @@ class BlockStore:
         # Every tier's slots are on their way back before the first await: a Delete
         # cancelled meanwhile leaves none taken, and each hold lasts until its slots are free.
         freeing = [
-            self.space.free_held(level, released[level.kind], held)
-            for level, held in holds
+            self.space.free_held(level, released[level.kind], held, refs=held_refs)
+            for level, held, held_refs in holds
             if level.kind in released
         ]
         for task in freeing:

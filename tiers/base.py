@@ -560,14 +560,15 @@ class SlotTier(Protocol):
         """Forget the blocks in ``slots`` and free the slots. False: nothing was freed."""
         ...
 
-    def removing(self, slots: Sequence[int]) -> None:
+    def removing(self, slots: Sequence[int], refs: Sequence[BlockRef] | None = None) -> None:
         """``slots``, whose blocks are gone (or whose rows a later row of the key replaced,
         kept for reads in flight: ``SpaceManager.free_when_idle``), are on their way to
-        ``remove`` (which may run later, or fail): a persistent tier's next block commit
-        deletes their rows in its own transaction, nothing freed, so that a block of the same
-        key put meanwhile never commits beside its older row (a crash between left both, and
-        the next start's recovery served the older until it read the newer). Volatile tiers
-        do nothing."""
+        ``remove`` (which may run later, or fail): a persistent tier's next block commit of
+        one of their keys deletes their rows in its own transaction, nothing freed, so that a
+        block of the same key put meanwhile never commits beside its older row (a crash
+        between left both, and the next start's recovery served the older until it read the
+        newer). ``refs``: the block each slot held (the same length); without them, the next
+        block commit of any key deletes the rows. Volatile tiers do nothing."""
         ...
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:

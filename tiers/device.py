@@ -58,6 +58,7 @@ from kvtier.kernels.paged import copy_pages
 from kvtier.kernels.runs import SegmentMap
 from kvtier.tiers.base import (
     HEALTHY,
+    BlockRef,
     DeviceBridge,
     DevicePages,
     Health,
@@ -448,7 +449,7 @@ class DeviceTier:
             self.allocator.free(slot)
         return True
 
-    def removing(self, slots: Sequence[int]) -> None:
+    def removing(self, slots: Sequence[int], refs: Sequence[BlockRef] | None = None) -> None:
         pass  # no rows: nothing survives a restart
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:

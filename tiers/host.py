@@ -25,6 +25,7 @@ import numpy as np
 from kvtier.tiers.advise import CHUNK, POPULATE_WRITE, advise
 from kvtier.tiers.base import (
     HEALTHY,
+    BlockRef,
     HostBuffers,
     ReadBatch,
     RecoveredBlocks,
@@ -152,7 +153,7 @@ class HostArena:
         self.allocator.free_many(slots)
         return True
 
-    def removing(self, slots: Sequence[int]) -> None:
+    def removing(self, slots: Sequence[int], refs: Sequence[BlockRef] | None = None) -> None:
         pass  # no rows: nothing survives a restart
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:

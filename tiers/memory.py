@@ -84,10 +84,10 @@ class MemoryTier:
         # (the slots it was given are kept in ``unremoved``).
         self.fail_removes = False
         self.unremoved: list[int] = []
-        # Slots given to ``removing``, or whose ``remove`` failed: the next write drops their
-        # rows, as a disk tier's next commit deletes them in its own transaction
-        # (``DiskTier._unremoved``).
-        self._unremoved_rows: set[int] = set()
+        # Slots given to ``removing``, or whose ``remove`` failed -> the key of their block
+        # (None: not known): a write of that key (of any, for None) drops their rows, as a
+        # disk tier's commit deletes them in its own transaction (``DiskTier._unremoved``).
+        self._unremoved_rows: dict[int, bytes | None] = {}
         self.forced_health: TierHealth | None = None
         self.read_hook: object = None  # called with the batch before a read (tests block on it)
         self.quarantined: set[int] = set()
@@ -131,9 +131,11 @@ class MemoryTier:
         out = []
         now = time.time()
         with self._lock:
-            for slot in self._unremoved_rows:
-                self._medium.index.pop(slot, None)
-            self._unremoved_rows.clear()
+            written = {bytes(ref[1]) for ref in batch.blocks}
+            for slot, key in list(self._unremoved_rows.items()):
+                if key is None or key in written:
+                    self._medium.index.pop(slot, None)
+                    del self._unremoved_rows[slot]
             for slot, start, ref in zip(batch.slots, starts.tolist(), batch.blocks, strict=True):
                 data = self._medium.arena[start : start + batch.nbytes]
                 csum = int(xxhash.xxh3_64_intdigest(data.data)) if self.checksummed else 0
@@ -171,10 +173,12 @@ class MemoryTier:
             self.counters["remove_failures"] += len(slots)
             self.unremoved += [int(s) for s in slots]
             with self._lock:
-                self._unremoved_rows.update(int(s) for s in slots)
+                for slot in slots:
+                    self._unremoved_rows.setdefault(int(slot), None)
             return False
         with self._lock:
-            self._unremoved_rows.difference_update(int(s) for s in slots)
+            for slot in slots:
+                self._unremoved_rows.pop(int(slot), None)
             for slot in slots:
                 self._medium.index.pop(int(slot), None)
                 self._sums.pop(int(slot), None)
@@ -184,9 +188,13 @@ class MemoryTier:
         self.counters["removed_slots"] += len(slots)
         return True
 
-    def removing(self, slots: Sequence[int]) -> None:
+    def removing(self, slots: Sequence[int], refs: Sequence[BlockRef] | None = None) -> None:
+        keys = [bytes(r[1]) for r in refs] if refs is not None else [None] * len(slots)
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} blocks named for {len(slots)} slots on their way out")
         with self._lock:
-            self._unremoved_rows.update(int(s) for s in slots)
+            for slot, key in zip(slots, keys, strict=True):
+                self._unremoved_rows.setdefault(int(slot), key)
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         out, self._recovered = self._recovered, []

@@ -3166,6 +3166,32 @@ async def test_regression_a_put_committed_before_a_deleted_keys_free_left_its_ol
     assert store.check() == []
 
 
+async def test_an_evicted_block_s_row_waits_for_its_free_beside_a_put_of_another_key(
+    make_store, monkeypatch
+):
+    """An eviction from L2 names the blocks of the slots it frees (``SlotTier.removing``):
+    a durable put of another key that commits before that free leaves their rows to it (a
+    commit drops only the rows of the keys it writes); the free then deletes them."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)  # 16 slots
+    store, pool = make_store(clock, segments=2, l2=l2), make_pool()
+    assert (await put(store, pool, keys(16), durable=True))[1] == [True] * 16
+    clock.now += 1
+    freeing, gate = _hold_first_release(store, monkeypatch, store.stack[TierKind.DISK])
+    first = asyncio.ensure_future(put(store, pool, keys(1), pages=[16], durable=True))
+    await asyncio.wait_for(freeing.wait(), 10)
+    [(slot, key)] = l2._unremoved_rows.items()
+    assert key == l2._medium.index[slot].key  # the evicted block's, as its row says
+    assert (await put(store, pool, keys(1), pages=[17], durable=True))[1] == [True]
+    assert l2._medium.index[slot].key == key
+    gate.set()
+    assert (await asyncio.wait_for(first, 10))[1] == [True]
+    await store.space.drain()
+    assert slot not in l2._medium.index or l2._medium.index[slot].key != key
+    assert not l2._unremoved_rows
+    assert store.check() == []
+
+
 async def _restarted_with_its_second_chunk_held(make_store, monkeypatch, clock):
     """``_a_key_with_two_rows``, then a store on its L2 as a stop left it, reading its rows
     two a chunk (the key, 3 others, the key again), started (its balancer a minute apart):

@@ -15,9 +15,9 @@ costs one append near the end of one B-tree (slots are handed out low first) rat
 descents (a primary key on 32 random bytes, plus a unique slot index), which made commits of 4,096
 rows into an index of 400,000 about 8x slower (115 vs 14.5 ms). The index does not enforce one row
 per key: a key gets a new slot only after losing its old one, and a block commit deletes, in its own
-transaction, the rows of the slots whose blocks are gone but whose delete failed or was not tried
-yet (``DiskTier.removing``), or whose quarantine a lock kept from the index, so a key put again
-meanwhile does not commit beside its older row; an
+transaction, the rows of its keys in slots whose blocks are gone but whose delete failed or was not
+tried yet (``DiskTier.removing``), or whose quarantine a lock kept from the index, so a key put
+again meanwhile does not commit beside its older row; an
 index an earlier kvtier wrote may hold two, of which recovery's consumer keeps the row written last
 (``RecoveredBlocks.latest_of_each_key``). Index format 1 (``(ns,
 key)`` primary key, written before ``PRAGMA user_version`` was set) is migrated at open, in one

@@ -681,12 +681,21 @@ class DiskTier:
         self._committed = _RowMap(self.allocator.slots_cap)
         # Slots on their way to ``remove`` (``removing``) or whose ``remove`` failed (the
         # store tries again), and quarantined ones whose rows a lock kept (``_quarantine``):
-        # their rows may still be in the index. The next block commit
-        # deletes them in its own transaction (``_make_durable``), so no row commits beside
-        # an older row of its key that a Delete or an eviction dropped; a crash between left
+        # their rows may still be in the index. A block commit deletes those of the keys it
+        # writes (below) in its own transaction (``_make_durable``), so no row commits beside an
+        # older row of its key that a Delete or an eviction dropped; a crash between left
         # both, and a Get during the next start's recovery served the older one until a
         # later chunk's newer row replaced it.
         self._unremoved: set[int] = set()
+        # The key of each of those whose block ``removing`` named, and the slot of each such
+        # key; the others (``_unkeyed``: the quarantined, those ``remove`` was given alone, a
+        # second of one key) go with any block commit. A commit deletes only the rows of the
+        # keys it writes, and of the unkeyed slots: the others' rows harm no put, and go with
+        # their own ``remove`` (a delete of 16,384 rows in a one-block commit took it from 2.4
+        # to 23.9 ms).
+        self._unremoved_keys: dict[int, bytes] = {}
+        self._unremoved_of_key: dict[bytes, int] = {}
+        self._unkeyed: set[int] = set()
         # Those slots, and the ones whose rows a commit deleted since, until a ``remove``
         # frees them: the store still hands them to ``remove``, so a release of a quarantined
         # one leaves it held (``release_quarantined``).
@@ -866,9 +875,16 @@ class DiskTier:
             ]
             # Read holding the index (inside its transaction): a slot freed since is not here,
             # and one here is not freed until this commit ends (``remove`` deletes first).
+            # Those of the keys written (a key put again over its Delete or eviction), and
+            # those whose keys are not known; the others wait for their ``remove``.
             if rows:
                 with self._state_lock:
-                    unremoved = sorted(self._unremoved)
+                    if of_key := self._unremoved_of_key:
+                        keys = (row[1] for row in rows)
+                        mine = self._unkeyed.union([of_key[k] for k in keys if k in of_key])
+                    else:
+                        mine = self._unkeyed
+                    unremoved = sorted(mine)
             return [*(np.concatenate(failed).tolist() if failed else []), *unremoved]
 
         if not rows:
@@ -892,10 +908,10 @@ class DiskTier:
                     self._sync_written(attempted)  # nothing to commit: no reserve to make
         good = np.concatenate([t.ws.slots[t.ws.ok] for t in attempted] or [_NO_SLOTS])
         if committed and unremoved:
-            # Their rows are gone: the store's retry of their ``remove`` frees them with no
-            # write transaction (none if it ran meanwhile: ``_delete_rows``).
+            # Their rows are gone: their ``remove`` frees them with no write transaction
+            # (none if it ran meanwhile: ``_delete_rows``).
             with self._state_lock:
-                self._unremoved.difference_update(unremoved)
+                self._forget_unremoved(unremoved)
                 self._committed.discard(unremoved)
         if committed and len(good):
             with self._state_lock:
@@ -1006,12 +1022,56 @@ class DiskTier:
             b.key = key
         return self._read_blocks(blocks, batch.priority, batch.rank, batch.urgency)
 
-    def removing(self, slots: Sequence[int]) -> None:
+    def removing(self, slots: Sequence[int], refs: Sequence[BlockRef] | None = None) -> None:
         """Note slots ``remove`` will be given (``_unremoved``): their blocks are gone, or
-        their rows replaced (the slots kept for reads in flight till then)."""
+        their rows replaced (the slots kept for reads in flight till then). ``refs``: the
+        block each held, whose key's next commit deletes its row; without, any block commit
+        does."""
+        slots = [int(s) for s in slots]
+        keys = ref_keys(refs) if refs is not None else None
+        if keys is not None and len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} blocks named for {len(slots)} slots on their way out")
         with self._state_lock:
-            self._unremoved.update(int(s) for s in slots)
-            self._freeing.update(int(s) for s in slots)
+            self._note_unremoved(slots, keys)
+            self._freeing.update(slots)
+
+    def _note_unremoved(self, slots: list[int], keys: list[bytes] | None) -> None:
+        """Add ``slots`` to ``_unremoved``, each with the key of its block (``keys``, None:
+        not known) where no other slot there has it (else unkeyed); one there already stays
+        as it was; the state lock held. An eviction names thousands at once, on the event
+        loop: in bulk (C loops) where none is there yet and their keys are distinct and new."""
+        known, of_key, unremoved = self._unremoved_keys, self._unremoved_of_key, self._unremoved
+        if unremoved.isdisjoint(slots):
+            if keys is None:
+                unremoved.update(slots)
+                self._unkeyed.update(slots)
+                return
+            fresh = dict(zip(keys, slots, strict=True))
+            if len(fresh) == len(slots) and of_key.keys().isdisjoint(fresh):
+                unremoved.update(slots)
+                known.update(zip(slots, keys, strict=True))
+                of_key.update(fresh)
+                return
+        named: Sequence[bytes | None] = [None] * len(slots) if keys is None else keys
+        for slot, key in zip(slots, named, strict=True):
+            if slot in unremoved:
+                continue
+            unremoved.add(slot)
+            if key is None or key in of_key:
+                self._unkeyed.add(slot)
+            else:
+                known[slot] = key
+                of_key[key] = slot
+
+    def _forget_unremoved(self, slots: Iterable[int]) -> None:
+        """Take ``slots`` off ``_unremoved`` (their rows are gone); the state lock held."""
+        known, of_key = self._unremoved_keys, self._unremoved_of_key
+        for slot in slots:
+            self._unremoved.discard(slot)
+            self._unkeyed.discard(slot)
+            key = known.pop(slot, None)
+            if key is not None:
+                del of_key[key]
 
     def remove(self, slots: Iterable[int]) -> bool:
         """Delete the index rows of these slots (one transaction) and free the slots.
@@ -1032,14 +1092,16 @@ class DiskTier:
             self.faults.fault(classify(e), "index delete")
             self.faults.count(remove_failures=len(slots))
             with self._state_lock:
-                self._unremoved.update(slots)
+                # Not those whose rows a block commit deleted (``_delete_rows``): none is left.
+                kept = [s for s in slots if s in self._unremoved or s not in self._freeing]
+                self._note_unremoved(kept, None)
                 self._freeing.update(slots)
             return False
         freed = 0
         with self._state_lock:
             # With the release, under one hold of the lock: a commit that finds a slot here
             # (``_make_durable``) finds it not yet handed out again.
-            self._unremoved.difference_update(slots)
+            self._forget_unremoved(slots)
             self._freeing.difference_update(slots)
             self._committed.discard(slots)
             for slot in slots:
@@ -1061,8 +1123,12 @@ class DiskTier:
         last try raised."""
         with self._state_lock:
             rows = self._committed.present(slots)
-        if len(rows) < len(slots):
-            known = set(rows)
+            # On their way here, their rows deleted by a block commit (``_make_durable``
+            # takes them off ``_unremoved``; no block is written to them meanwhile).
+            known = set(rows).union(
+                s for s in slots if s in self._freeing and s not in self._unremoved
+            )
+        if len(known) < len(slots):
             rows += self._idx().committed_slots([s for s in slots if s not in known])
         if not rows:
             return
@@ -1735,7 +1801,7 @@ class DiskTier:
                 self._tried.update(failed)
                 # Their block rows are gone with the drop: handed out, a slot left here
                 # would lose its new row to the next block commit.
-                self._unremoved.difference_update(passed)
+                self._forget_unremoved(passed)
                 for slot in passed:
                     self._quarantined_slot_bytes -= self.allocator.slot_bytes_for(
                         self._quarantined.pop(slot)
@@ -1965,8 +2031,9 @@ class DiskTier:
             if kept_rows:
                 # Left, a put of one of their keys committed beside its row (the store
                 # forgets these blocks, and no ``remove`` reaches them): the next block
-                # commit deletes them, as it does those of slots on their way to ``remove``.
-                self._unremoved.update(b.slot for b in blocks)
+                # commit deletes them, whatever its keys (no Delete of theirs reaches them
+                # either: a crash after one brought them back).
+                self._note_unremoved([b.slot for b in blocks], None)
 
     def _blocks(
         self,
