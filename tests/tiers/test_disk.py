@@ -3426,6 +3426,31 @@ def test_a_second_slot_of_a_key_on_its_way_out_goes_with_any_block_commit(
         assert tier.allocator.used_bytes == 2 * 4096
 
 
+def test_regression_a_slot_named_twice_at_once_left_a_key_whose_commit_deleted_its_next_row(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """``removing`` given one slot twice with two keys took its bulk path (the keys distinct
+    and new): the slot was followed under both keys but kept one, so its ``remove`` forgot
+    only that one, and the other key went on naming the slot once it was handed out again: a
+    commit of that key then deleted the row of the block written there since. A slot named
+    twice is followed as the loop does, under its first key."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 4096)
+        out = blocks[0][1]
+        tier.removing([out, out], [BlockRef(1, blocks[0][0]), BlockRef(1, blocks[1][0])])
+        assert tier.remove([out])
+        reused = _persist(tier, make_block, [2], 4096)[2]
+        assert reused[1] == out  # the slot freed is handed out again
+        _, data = make_block(3, 4096)
+        again = tier.allocator.allocate(4096)
+        assert again is not None
+        # Block 0's key put again: its older row went with the slot's ``remove``.
+        assert persist(tier, [PersistItem(1, blocks[0][0], again, data, 4096)])[0].ok
+        assert (reused[0], out) in _crash_rows(disk_dir)
+    with _open(disk_dir) as tier:
+        assert {r.key: r.slot for r in tier.recover()}[reused[0]] == out
+
+
 def test_regression_a_failed_remove_made_the_rows_of_its_named_slots_go_with_any_commit(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

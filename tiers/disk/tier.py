@@ -1038,16 +1038,22 @@ class DiskTier:
     def _note_unremoved(self, slots: list[int], keys: list[bytes] | None) -> None:
         """Add ``slots`` to ``_unremoved``, each with the key of its block (``keys``, None:
         not known) where no other slot there has it (else unkeyed); one there already stays
-        as it was; the state lock held. An eviction names thousands at once, on the event
-        loop: in bulk (C loops) where none is there yet and their keys are distinct and new."""
+        as it was, and so does one named twice, under its first key; the state lock held. An
+        eviction names thousands at once, on the event loop: in bulk (C loops) where none is
+        there yet and they and their keys are distinct and new."""
         known, of_key, unremoved = self._unremoved_keys, self._unremoved_of_key, self._unremoved
-        if unremoved.isdisjoint(slots):
+        given = set(slots)
+        if unremoved.isdisjoint(given):
             if keys is None:
-                unremoved.update(slots)
-                self._unkeyed.update(slots)
+                unremoved.update(given)
+                self._unkeyed.update(given)
                 return
             fresh = dict(zip(keys, slots, strict=True))
-            if len(fresh) == len(slots) and of_key.keys().isdisjoint(fresh):
+            # A slot named twice with two keys would be followed under both, forgotten
+            # under one (``_forget_unremoved``): the other's commit, once the slot is handed
+            # out again, would delete the row of the block written there.
+            distinct = len(given) == len(fresh) == len(slots)
+            if distinct and of_key.keys().isdisjoint(fresh):
                 unremoved.update(slots)
                 known.update(zip(slots, keys, strict=True))
                 of_key.update(fresh)
