@@ -1361,11 +1361,12 @@ class SpaceManager:
     def free_when_idle(self, level: Level, slots: np.ndarray, bids: np.ndarray) -> None:
         """Free ``slots`` of ``level``, just taken from ``bids`` (in flight: a read may have
         named them before), once nobody holds those blocks (``read_held``). Their rows go
-        sooner, with the tier's next block commit of their keys (``SlotTier.removing``): kept till the
-        free, a put of one of their keys (the block's later copy lost meanwhile, a failed
-        read) committed its row beside the older one, which a crash then left to the next
-        start's recovery to serve until it read the newer; and a release of one quarantined
-        by a failed read of it handed it out before that free released it again."""
+        sooner, with the tier's next block commit of their keys (``SlotTier.removing``):
+        kept till the free, a put of one of their keys (the block's later copy lost
+        meanwhile, a failed read) committed its row beside the older one, which a crash then
+        left to the next start's recovery to serve until it read the newer; and a release of
+        one quarantined by a failed read of it handed it out before that free released it
+        again."""
         level.slots.removing(slots.tolist(), self.table.block_refs(bids))
         held = self.read_held.setdefault(level.kind, [])
         held += zip(slots.tolist(), self.table.refs(bids).tolist(), strict=True)
