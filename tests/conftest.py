@@ -19,10 +19,15 @@ import pytest
 # (harness imports the client).
 os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
+from forkserver import close_fork_server
 from harness import DaemonFactory, DaemonProcess, NamespacedDaemon
 
 # Real redis-server fixtures for the L3 tier's tests.
 pytest_plugins = ("redis_servers",)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    close_fork_server()  # the daemons' (harness.py), where this process started one
 
 
 @pytest.fixture

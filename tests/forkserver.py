@@ -1,0 +1,417 @@
+"""A fork server for the tests' daemons: ``python -m kvtier.daemon ARGS`` without the imports.
+
+A daemon start cost ~0.45 s of CPU, ~90% of it the interpreter importing numpy, grpc, asyncio,
+yaml and the daemon's modules, and the tests start hundreds of daemons on two cores. One
+server per test process (started by ``fork_server()`` on the first start, ended with the test
+process) imports them once and forks a child per start that becomes what ``python -m
+kvtier.daemon ARGS`` would be from then on: its stdout and stderr on the log the test passes
+(SCM_RIGHTS), the test's working directory, umask and environment at the time of the start,
+``sys.argv`` and ``sys.path[0]`` as ``-m`` sets them, fresh seeds for ``random`` and numpy's
+global generator, then ``kvtier.daemon.entry.main`` (which holds SIGHUP, SIGINT and SIGTERM
+first, as a started one does) and an exit with its status. The server is the children's
+parent: it reaps them and relays each exit status (``Popen.returncode``'s meaning: -signum for
+a signal's death) to ``ForkedDaemon``, the test's ``Popen``-like handle.
+
+The server creates no thread, event loop, gRPC channel or server before it forks: the imports
+alone (numpy's OpenBLAS starts its threads and stops them around a fork itself). What is read
+at import rather than at the start cannot follow the test: environment variables of the
+interpreter, gRPC's core (GRPC_VERBOSITY, read as grpc is imported), numpy's BLAS and the C
+library (``IMPORT_TIME_ENV``), and the resource limits: a start whose environment differs from
+the server's in one of them, or whose limits differ, is left to ``python -m kvtier.daemon``
+(``serves``). So is every other entry (``-c CODE``): only the default one forks. The children
+share the server's hash seed (PYTHONHASHSEED's randomisation happens once per interpreter).
+KVTIER_TEST_FORK_DAEMONS=0 runs every daemon as before.
+
+Requests and answers are JSON messages on a SOCK_SEQPACKET socket pair: ``start`` (argv, cwd,
+umask, environment; the log's descriptor beside it) answered by the child's pid, ``signal``
+(sent through the child's pidfd, so never to a reaped child's reused pid), and, unasked, each
+child's exit. The server ends when its socket closes (the test process ended or closed it),
+SIGKILLing the children still running first (their statuses relayed where the test process
+still reads); a server killed takes its children with it (PR_SET_PDEATHSIG): none outlives the
+tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+SWITCH = "KVTIER_TEST_FORK_DAEMONS"
+DEFAULT_ENTRY = ("-m", "kvtier.daemon")
+# Read once per interpreter, as it starts or as a module is imported: a child could not see a
+# change made after the server started.
+IMPORT_TIME_ENV = ("PYTHON", "GRPC_", "OPENBLAS_", "GOTO", "OMP_", "MKL_", "NPY_", "LD_", "MALLOC_")
+IMPORT_TIME_ENV_NAMES = ("GLIBC_TUNABLES",)
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What the daemon imports, as kvtier.daemon.main starts and as it builds its server, its tiers
+# (redis: ~0.1 s) and its policies. One missing here is imported by each child.
+PRELOAD = (
+    "kvtier.daemon.main",
+    "kvtier.daemon.server",
+    "kvtier.daemon.reload",
+    "kvtier.daemon.tenants",
+    "kvtier.daemon.metrics",
+    "kvtier.daemon.heat",
+    "kvtier.tiers.base",
+    "kvtier.tiers.host",
+    "kvtier.tiers.remote.tier",
+    *(f"kvtier.daemon.policy.{name}" for name in ("arc", "density", "heat", "hints", "lru")),
+    *(f"kvtier.daemon.policy.{name}" for name in ("memento", "opt")),
+    "uvloop",
+)
+MAX_MESSAGE_BYTES = 1 << 20
+PR_SET_PDEATHSIG = 1
+REPLY_TIMEOUT_S = 60.0
+
+
+def _import_time_env(environ: dict[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in environ.items()
+        if k.startswith(IMPORT_TIME_ENV) or k in IMPORT_TIME_ENV_NAMES
+    }
+
+
+def _rlimits() -> dict[str, tuple[int, int]]:
+    return {
+        name: resource.getrlimit(getattr(resource, name))
+        for name in dir(resource)
+        if name.startswith("RLIMIT_")
+    }
+
+
+def _umask() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    raise RuntimeError("no Umask in /proc/self/status")
+
+
+class ForkServer:
+    """The test process's side: starts the server, sends it starts and signals, and keeps the
+    exit statuses its reader thread receives. Thread-safe (a condition guards the replies and
+    statuses, a lock the sends)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.owner = os.getpid()
+        self._env = _import_time_env(dict(os.environ))
+        self._rlimits = _rlimits()
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+        self._sock = ours
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._exits: dict[int, int] = {}
+        self._next_id = 0
+        self._gone = False
+        self._reader = threading.Thread(target=self._read, name="kvtier-forkserver", daemon=True)
+        self._reader.start()
+
+    def serves(self) -> bool:
+        """Whether a child forked now would be the daemon an exec would start: the
+        environment read at import and the resource limits are the server's."""
+        return _import_time_env(dict(os.environ)) == self._env and _rlimits() == self._rlimits
+
+    @property
+    def gone(self) -> bool:
+        """Whether the server has ended (its socket closed)."""
+        with self._cond:
+            return self._gone
+
+    def start(self, args: list[str], cwd: str, log_fd: int) -> ForkedDaemon:
+        """A child running ``python -m kvtier.daemon args`` in ``cwd``, its stdout and stderr
+        on ``log_fd``, in this process's environment and umask."""
+        with self._cond:
+            request_id = self._next_id
+            self._next_id += 1
+        request = {
+            "op": "start",
+            "id": request_id,
+            "args": args,
+            "cwd": cwd,
+            "umask": _umask(),
+            "env": dict(os.environ),
+        }
+        self._send(request, [log_fd])
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: request_id in self._replies or self._gone, REPLY_TIMEOUT_S
+            ):
+                raise TimeoutError(f"the daemons' fork server did not answer in {REPLY_TIMEOUT_S}s")
+            reply = self._replies.pop(request_id, None)
+        if reply is None:
+            raise RuntimeError(f"the daemons' fork server ended ({self.proc.poll()})")
+        return ForkedDaemon(self, reply["pid"], ["python", *DEFAULT_ENTRY, *args])
+
+    def signal(self, pid: int, sig: int) -> None:
+        self._send({"op": "signal", "pid": pid, "sig": int(sig)})
+
+    def exit_code(self, pid: int, timeout_s: float | None) -> int | None:
+        """The exit status of child ``pid`` once the server has reaped it (waiting up to
+        ``timeout_s``; None: not yet)."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout_s)
+            if pid in self._exits:
+                return self._exits[pid]
+            if self._gone:
+                raise RuntimeError(f"the daemons' fork server ended before child {pid} did")
+            return None
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the server, which SIGKILLs the children still running and relays their
+        statuses, and wait for it."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout_s)
+        self._sock.close()
+
+    def _send(self, message: dict[str, Any], fds: Iterable[int] = ()) -> None:
+        data = json.dumps(message).encode()
+        with self._send_lock:
+            socket.send_fds(self._sock, [data], list(fds))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self._sock.recv(MAX_MESSAGE_BYTES)
+                if not data:
+                    break
+                message = json.loads(data)
+                with self._cond:
+                    if "exit" in message:
+                        self._exits[message["exit"]] = message["code"]
+                    else:
+                        self._replies[message["id"]] = message
+                    self._cond.notify_all()
+        except OSError:
+            pass
+        finally:
+            with self._cond:
+                self._gone = True
+                self._cond.notify_all()
+
+
+class ForkedDaemon:
+    """A forked daemon as ``subprocess.Popen`` shows a process: ``pid``, ``returncode``
+    (None while it runs, -signum for a signal's death), ``poll``, ``wait``, ``send_signal``,
+    ``terminate``, ``kill``. Thread-safe as the server's side is."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+        self.server = server
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self._returncode(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._returncode(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            self.server.signal(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _returncode(self, timeout_s: float | None) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid, timeout_s)
+        return self.returncode
+
+
+_server: ForkServer | None = None
+_server_lock = threading.Lock()
+
+
+def fork_server() -> ForkServer | None:
+    """This process's fork server (started on the first call, and again after one ended: its
+    children's handles raised), or None where KVTIER_TEST_FORK_DAEMONS=0 asks for exec'd
+    daemons. A process forked from one that has a server starts its own."""
+    global _server
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
+    with _server_lock:
+        if _server is not None and _server.owner == os.getpid() and _server.gone:
+            _server.close()
+            _server = None
+        if _server is None or _server.owner != os.getpid():
+            _server = ForkServer()
+        return _server
+
+
+def close_fork_server() -> None:
+    global _server
+    with _server_lock:
+        if _server is not None and _server.owner == os.getpid():
+            _server.close()
+        _server = None
+
+
+# The server's side.
+
+
+def serve(sock: socket.socket) -> None:
+    # Blocked for good here, and in a child until just before the entry point holds them: a
+    # signal for the test process's group does not end the server (its socket's end does).
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    # What kvtier.daemon.entry.main does before its imports (the children run it again).
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children: dict[int, int] = {}  # pidfd -> pid
+    pidfds: dict[int, int] = {}  # pid -> pidfd
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    try:
+        while True:
+            for fd, _ in poller.poll():
+                if fd == sock.fileno():
+                    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
+                    if not data:
+                        return
+                    request = json.loads(data)
+                    if request["op"] == "start":
+                        (log_fd,) = fds
+                        try:
+                            pid = _fork_daemon(request, log_fd, sock, children)
+                        finally:
+                            os.close(log_fd)
+                        pidfd = os.pidfd_open(pid)
+                        children[pidfd] = pid
+                        pidfds[pid] = pidfd
+                        poller.register(pidfd, select.POLLIN)
+                        sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+                    elif request["pid"] in pidfds:  # signal a child not yet reaped
+                        signal.pidfd_send_signal(pidfds[request["pid"]], request["sig"])
+                else:
+                    pid = children.pop(fd)
+                    del pidfds[pid]
+                    poller.unregister(fd)
+                    os.close(fd)
+                    _send_exit(sock, pid)
+    except (BrokenPipeError, ConnectionResetError):
+        return
+    finally:
+        for pidfd, pid in children.items():
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+            with contextlib.suppress(OSError):  # to a test process still reading
+                _send_exit(sock, pid)
+
+
+def _send_exit(sock: socket.socket, pid: int) -> None:
+    """Reap child ``pid`` and send its exit status."""
+    _, status = os.waitpid(pid, 0)
+    sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _fork_daemon(
+    request: dict[str, Any], log_fd: int, sock: socket.socket, children: dict[int, int]
+) -> int:
+    server_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        # SIGKILLed as the server ends, however it ends (it is single-threaded: the thread
+        # that forked is the server's life).
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != server_pid:
+            os._exit(1)
+        sock.close()
+        for pidfd in children:
+            os.close(pidfd)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd > 2:
+                with contextlib.suppress(OSError):  # the listing's own
+                    os.close(fd)
+        os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import random
+
+        import numpy as np
+
+        import kvtier.daemon
+        from kvtier.daemon.entry import main
+
+        random.seed()
+        np.random.seed()
+        args = request["args"]
+        # As ``-m`` sets them: the module's path, and the working directory first on the path.
+        sys.argv = [os.path.join(os.path.dirname(kvtier.daemon.__file__), "__main__.py"), *args]
+        sys.path[0] = os.getcwd()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+        code = main(args)
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        # What the interpreter does as it exits: wait for the threads that are not daemons,
+        # run the atexit functions, flush the standard streams.
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _exit_status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -1,0 +1,105 @@
+"""The tests' fork server (forkserver.py): a forked daemon is what ``python -m kvtier.daemon``
+would have been, started in the test's working directory, umask and environment of the time,
+with ``Popen``'s exit statuses, and none outlives its server."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+
+import pytest
+from forkserver import SWITCH, ForkedDaemon, close_fork_server
+from harness import DaemonFactory
+
+
+def _umask_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+
+
+@pytest.fixture(autouse=True)
+def forking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SWITCH, raising=False)
+
+
+def test_a_forked_daemon_starts_in_the_test_s_working_directory_and_umask(
+    daemon_factory: DaemonFactory,
+) -> None:
+    daemon_factory()  # the server started before the umask changes
+    old = os.umask(0o027)
+    try:
+        d = daemon_factory()
+    finally:
+        os.umask(old)
+    assert isinstance(d.proc, ForkedDaemon)
+    assert os.readlink(f"/proc/{d.proc.pid}/cwd") == str(d.workdir)
+    assert _umask_of(d.proc.pid) == 0o027
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_daemon_sees_the_environment_of_its_start_and_exits_with_its_status(
+    daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch, fork: str
+) -> None:
+    """The same refusal, forked or exec'd: a KVTIER_* variable set after the server started
+    is read, and the exit status is the process's own."""
+    monkeypatch.setenv(SWITCH, fork)
+    daemon_factory()
+    monkeypatch.setenv("KVTIER_TIERS_L1_NO_SUCH_KEY", "1")
+    d = daemon_factory(wait=False)
+    assert isinstance(d.proc, ForkedDaemon) == (fork == "1")
+    assert d.proc is not None
+    assert d.proc.wait(60) == 2, d.log()
+    assert "KVTIER_TIERS_L1_NO_SUCH_KEY" in d.log()
+
+
+def test_a_forked_daemon_s_signal_death_is_minus_the_signal(
+    daemon_factory: DaemonFactory,
+) -> None:
+    d = daemon_factory()
+    assert isinstance(d.proc, ForkedDaemon)
+    assert d.kill() == -signal.SIGKILL
+    d.start()
+    assert d.stop() == 0 and "kvtierd stopped" in d.log()
+
+
+def test_a_changed_import_time_variable_starts_the_daemon_by_exec(
+    daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GRPC_VERBOSITY is read as grpc is imported, which the server did before: a start that
+    sets another is exec'd, and logs as that verbosity says."""
+    daemon_factory()
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    d = daemon_factory()
+    assert isinstance(d.proc, subprocess.Popen)
+
+
+def test_the_fork_server_s_children_end_with_it(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory()
+    assert isinstance(d.proc, ForkedDaemon)
+    pid = d.proc.pid
+    close_fork_server()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert d.proc.wait(0) == -signal.SIGKILL
+
+
+def test_a_fork_server_killed_takes_its_children_and_is_replaced(
+    daemon_factory: DaemonFactory,
+) -> None:
+    d = daemon_factory()
+    assert isinstance(d.proc, ForkedDaemon)
+    server = d.proc.server
+    server.proc.kill()
+    server.proc.wait(10)
+    with pytest.raises(RuntimeError, match="fork server ended"):
+        d.proc.wait(10)
+    pidfd = os.pidfd_open(d.proc.pid)  # an orphan now, SIGKILLed as its parent died
+    try:
+        assert select.select([pidfd], [], [], 10)[0] == [pidfd]
+    finally:
+        os.close(pidfd)
+    d.proc.returncode = -signal.SIGKILL  # what no server relays now, for the factory's end
+    again = daemon_factory()
+    assert isinstance(again.proc, ForkedDaemon) and again.proc.server is not server
