@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -292,6 +293,10 @@ def serve(sock: socket.socket) -> None:
 
     for module in PRELOAD:
         importlib.import_module(module)
+    # As kvtier.daemon.main does once it has started: its collection (~30 ms) then scans only
+    # what the child made, and touches none of the pages the children share.
+    gc.collect()
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}  # pidfd -> pid
