@@ -161,20 +161,21 @@ class ForkServer:
             reply = self._replies.pop(request_id, None)
         if reply is None:
             raise RuntimeError(f"the daemons' fork server ended ({self.proc.poll()})")
-        return ForkedDaemon(self, reply["pid"], ["python", *DEFAULT_ENTRY, *args])
+        return ForkedDaemon(self, reply["pid"], request_id, ["python", *DEFAULT_ENTRY, *args])
 
-    def signal(self, pid: int, sig: int) -> None:
-        self._send({"op": "signal", "pid": pid, "sig": int(sig)})
+    def signal(self, child: int, sig: int) -> None:
+        """Signal the child of start ``child`` (its id) unless it has been reaped."""
+        self._send({"op": "signal", "id": child, "sig": int(sig)})
 
-    def exit_code(self, pid: int, timeout_s: float | None) -> int | None:
-        """The exit status of child ``pid`` once the server has reaped it (waiting up to
-        ``timeout_s``; None: not yet)."""
+    def exit_code(self, child: int, timeout_s: float | None) -> int | None:
+        """The exit status of the child of start ``child`` (its id) once the server has
+        reaped it (waiting up to ``timeout_s``; None: not yet)."""
         with self._cond:
-            self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout_s)
-            if pid in self._exits:
-                return self._exits[pid]
+            self._cond.wait_for(lambda: child in self._exits or self._gone, timeout_s)
+            if child in self._exits:
+                return self._exits[child]
             if self._gone:
-                raise RuntimeError(f"the daemons' fork server ended before child {pid} did")
+                raise RuntimeError(f"the daemons' fork server ended before child {child} did")
             return None
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -204,6 +205,10 @@ class ForkServer:
                 message = json.loads(data)
                 with self._cond:
                     if "exit" in message:
+                        # By the start's id, not the pid: the kernel hands a reaped child's
+                        # pid to later processes, a later daemon of this server's among
+                        # them, whose handle found the earlier one's status ("exited with
+                        # -9 during start").
                         self._exits[message["exit"]] = message["code"]
                     else:
                         self._replies[message["id"]] = message
@@ -221,9 +226,10 @@ class ForkedDaemon:
     (None while it runs, -signum for a signal's death), ``poll``, ``wait``, ``send_signal``,
     ``terminate``, ``kill``. Thread-safe as the server's side is."""
 
-    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+    def __init__(self, server: ForkServer, pid: int, child: int, args: list[str]) -> None:
         self.server = server
         self.pid = pid
+        self.child = child  # the start's id: the server's name for it
         self.args = args
         self.returncode: int | None = None
 
@@ -238,7 +244,7 @@ class ForkedDaemon:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            self.server.signal(self.pid, sig)
+            self.server.signal(self.child, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -248,7 +254,7 @@ class ForkedDaemon:
 
     def _returncode(self, timeout_s: float | None) -> int | None:
         if self.returncode is None:
-            self.returncode = self.server.exit_code(self.pid, timeout_s)
+            self.returncode = self.server.exit_code(self.child, timeout_s)
         return self.returncode
 
 
@@ -299,8 +305,9 @@ def serve(sock: socket.socket) -> None:
     gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
-    children: dict[int, int] = {}  # pidfd -> pid
-    pidfds: dict[int, int] = {}  # pid -> pidfd
+    # Each child by its start's id (a pid may be another process's once reaped).
+    children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, id)
+    pidfds: dict[int, int] = {}  # id -> pidfd
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     try:
@@ -318,36 +325,39 @@ def serve(sock: socket.socket) -> None:
                         finally:
                             os.close(log_fd)
                         pidfd = os.pidfd_open(pid)
-                        children[pidfd] = pid
-                        pidfds[pid] = pidfd
+                        children[pidfd] = (pid, request["id"])
+                        pidfds[request["id"]] = pidfd
                         poller.register(pidfd, select.POLLIN)
                         sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
-                    elif request["pid"] in pidfds:  # signal a child not yet reaped
-                        signal.pidfd_send_signal(pidfds[request["pid"]], request["sig"])
+                    elif request["id"] in pidfds:  # signal a child not yet reaped
+                        signal.pidfd_send_signal(pidfds[request["id"]], request["sig"])
                 else:
-                    pid = children.pop(fd)
-                    del pidfds[pid]
+                    pid, child = children.pop(fd)
+                    del pidfds[child]
                     poller.unregister(fd)
                     os.close(fd)
-                    _send_exit(sock, pid)
+                    _send_exit(sock, pid, child)
     except (BrokenPipeError, ConnectionResetError):
         return
     finally:
-        for pidfd, pid in children.items():
+        for pidfd, (pid, child) in children.items():
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             os.close(pidfd)
             with contextlib.suppress(OSError):  # to a test process still reading
-                _send_exit(sock, pid)
+                _send_exit(sock, pid, child)
 
 
-def _send_exit(sock: socket.socket, pid: int) -> None:
-    """Reap child ``pid`` and send its exit status."""
+def _send_exit(sock: socket.socket, pid: int, child: int) -> None:
+    """Reap child ``pid`` and send its exit status, named by its start's id ``child``."""
     _, status = os.waitpid(pid, 0)
-    sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+    sock.send(json.dumps({"exit": child, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
 def _fork_daemon(
-    request: dict[str, Any], log_fd: int, sock: socket.socket, children: dict[int, int]
+    request: dict[str, Any],
+    log_fd: int,
+    sock: socket.socket,
+    children: dict[int, tuple[int, int]],
 ) -> int:
     server_pid = os.getpid()
     pid = os.fork()
