@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import Client
+from kvtier.client.types import unix_socket_path
 
 # Unix socket paths are limited to 107 bytes (sun_path).
 _MAX_SOCKET_PATH = 107
@@ -129,7 +130,7 @@ def wait_until_serving(
     """Wait until the daemon at ``address`` answers SERVING; raise (with its log) if the
     process exits first or the time runs out. Tests' daemons use this too."""
     deadline = time.monotonic() + timeout_s
-    path = address[len("unix:") :] if address.startswith("unix:") else None
+    path = unix_socket_path(address)
     with grpc.insecure_channel(address, options=_PROBE_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

@@ -222,18 +222,18 @@ def split_counter(key: str) -> tuple[str, dict[str, str]]:
 def resolve_address(address: str | None) -> str:
     """The gRPC target: ``address``, else ``$KVTIER_ADDRESS``, else the default socket
     (``kvtier.paths``: the first of the user's and the system's daemon sockets that exists).
-    Unix socket paths are made absolute. One that is no str is InvalidArgumentError (a
+    Unix socket paths are made absolute, and written as gRPC reads them (``unix_address``). One that is no str is InvalidArgumentError (a
     ``Path`` raised AttributeError here, and an empty list took the default)."""
     if address is not None and not isinstance(address, str):
         raise InvalidArgumentError(f"address: expected str, not {type(address).__name__}")
-    address = address or os.environ.get(ADDRESS_ENV) or "unix:" + paths.default_client_socket()
+    address = address or os.environ.get(ADDRESS_ENV) or unix_address(paths.default_client_socket())
     if address.startswith("unix:") and not address.startswith("unix://"):
         # An empty path stays empty (``checked_address`` refuses it): abspath made it the
         # working directory.
-        path = address[len("unix:") :]
-        return "unix:" + os.path.abspath(path) if path else address
+        path = unix_socket_path(address)
+        return unix_address(os.path.abspath(path)) if path else address
     if address.startswith("/") or address.startswith("."):
-        return "unix:" + os.path.abspath(address)
+        return unix_address(os.path.abspath(address))
     return address
 
 
@@ -254,15 +254,30 @@ _HOST_PORT = re.compile(
 )
 
 
+def _uri_path(text: str) -> str:
+    """A URI's path as gRPC reads it: up to a query ("?") or fragment ("#"), its %XX escapes
+    decoded (to the bytes they name: a socket path need not be UTF-8)."""
+    return unquote(re.split("[?#]", text, maxsplit=1)[0], errors="surrogateescape")
+
+
 def unix_socket_path(address: str) -> str | None:
-    """The socket path of a Unix socket address, or None for another kind: "unix:PATH" and
-    "unix:///abs/path" (the URI form, which ``resolve_address`` leaves as is) name the same
-    kind of socket."""
+    """The socket path of a Unix socket address as gRPC reads it, or None for another kind:
+    "unix:PATH" and "unix:///abs/path" (the URI form, which ``resolve_address`` leaves as
+    is) name the same kind of socket. gRPC decodes %XX escapes in it and drops a "?..." or
+    "#..." after it (``unix:/run/a%20b.sock`` and ``unix:/run/a b.sock?x`` reach
+    ``/run/a b.sock``): the credential socket and the CLI's hints read the raw text, and
+    named another file."""
     if address.startswith("unix://"):
-        return address[len("unix://") :]
+        return _uri_path(address[len("unix://") :])
     if address.startswith("unix:"):
-        return address[len("unix:") :]
+        return _uri_path(address[len("unix:") :])
     return None
+
+
+def unix_address(path: str) -> str:
+    """The "unix:" address that gRPC reads as ``path`` (``unix_socket_path`` undoes it): the
+    characters it would read as an escape, a query or a fragment written as escapes."""
+    return "unix:" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
 
 
 def pool_address_problem(address: str) -> str | None:
@@ -286,7 +301,9 @@ def checked_address(address: str) -> str:
     """``address``, or InvalidArgumentError when no daemon can have it: a Unix socket path
     that no socket can have (gRPC took such a channel and failed each call with UNKNOWN
     'Failed to create channel', after its core printed a line of its own), none at all, or a
-    relative one in the URI form (the same failure: "unix://run/x.sock" names a host); a
+    relative one in the URI form (the same failure: "unix://run/x.sock" names a host), each
+    read as gRPC reads it (``unix_socket_path``); an abstract socket's name too long for one
+    (digits alone were refused as a TCP port); a
     TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
     to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
     there; written with %XX escapes too, which gRPC decodes); one not encodable as UTF-8 (a
@@ -305,7 +322,16 @@ def checked_address(address: str) -> str:
             f"address {address!r}: holds a NUL character (gRPC would read it only up to there)"
         )
     path = unix_socket_path(address)
-    if path is None and (tcp := _HOST_PORT.fullmatch(unquote(address))) is not None:
+    if address.startswith("unix-abstract:"):
+        # An abstract socket's name, read as a path is (digits alone were refused as a port).
+        name = _uri_path(address[len("unix-abstract:") :])
+        size = len(os.fsencode(name))
+        if size > MAX_UNIX_PATH_BYTES:
+            raise InvalidArgumentError(
+                f"address {address}: an abstract Unix socket name holds at most "
+                f"{MAX_UNIX_PATH_BYTES} bytes, this one {size}"
+            )
+    elif path is None and (tcp := _HOST_PORT.fullmatch(unquote(address))) is not None:
         # Read as a number only where it may be a port: int() refuses one past 4,300 digits
         # (Python's ValueError, untyped).
         minus, digits = tcp.group(1) or "", tcp.group(2)
@@ -317,13 +343,17 @@ def checked_address(address: str) -> str:
     if path is not None:
         if not path:
             raise InvalidArgumentError(f"address {address!r} names no Unix socket path")
-        if address.startswith("unix://") and not path.startswith("/"):
+        if address.startswith("unix://") and not address.startswith("unix:///"):
             # gRPC reads what follows "unix://" up to a "/" as a host, which the scheme has not.
             raise InvalidArgumentError(
                 f"address {address}: the URI form takes an absolute path (unix:///PATH); "
-                f"a relative one is unix:{path}"
+                f"a relative one is unix:{address[len('unix://') :]}"
             )
-        size = len(path.encode())
+        if "\0" in path:
+            raise InvalidArgumentError(
+                f"address {address!r}: its socket path holds a NUL character (%00)"
+            )
+        size = len(os.fsencode(path))
         if size > MAX_UNIX_PATH_BYTES:
             raise InvalidArgumentError(
                 f"address {address}: a Unix socket path holds at most {MAX_UNIX_PATH_BYTES} "

@@ -1555,6 +1555,76 @@ def test_regression_a_percent_encoded_port_skipped_the_check(capsys, address, po
     assert checked_address(in_range) == in_range
 
 
+@pytest.mark.parametrize("suffix", ["?x", "#x", "escaped"])
+def test_regression_a_unix_address_grpc_reads_as_another_path_failed_its_sessions(
+    daemon, capsys, suffix
+):
+    """gRPC decodes %XX escapes in a 'unix:' path and drops a '?...' or '#...' after it, but
+    the client read the raw text: a daemon reached as ``unix:/run/kvtierd%2Esock`` or
+    ``unix:/run/kvtierd.sock?x`` had its credential socket looked for beside another file,
+    so every session (stats) failed. The path is read as gRPC reads it."""
+    from kvtier.client import Client
+    from kvtier.client.credentials import CRED_SUFFIX, cred_socket_path
+
+    head, _, ext = daemon.socket.rpartition(".")
+    address = f"unix:{head}%2E{ext}" if suffix == "escaped" else daemon.address + suffix
+    assert cred_socket_path(address) == daemon.socket + CRED_SUFFIX
+    with Client(address) as client:
+        client.stats()
+    code, out, err = run_main(capsys, "--address", address, "stats")
+    assert code == 0, (out, err)
+
+
+@pytest.mark.parametrize(
+    "address, path",
+    [
+        ("unix:/tmp/a%20b.sock", "/tmp/a b.sock"),
+        ("unix:///tmp/a%3Fb.sock?x#y", "/tmp/a?b.sock"),
+        ("unix:/tmp/a%ff.sock#y", "/tmp/a\udcff.sock"),
+    ],
+)
+def test_regression_a_unix_socket_path_was_read_without_grpcs_escapes(address, path):
+    """The path of a 'unix:' address is the one gRPC connects to: its %XX escapes decoded
+    (to bytes, which need not be UTF-8), a query or fragment dropped; and an address made
+    from a path writes it so that gRPC reads that path back."""
+    from kvtier.client.types import resolve_address, unix_socket_path
+
+    assert unix_socket_path(address) == path
+    assert unix_socket_path(resolve_address(address)) == path
+    assert unix_socket_path(resolve_address("/tmp/%41?#.sock")) == "/tmp/%41?#.sock"
+
+
+def test_regression_a_unix_socket_paths_size_was_counted_on_its_escapes():
+    """The 107-byte check counted the raw text: a path gRPC reads as short was refused
+    (written with escapes, or with a query after it). It counts the path's bytes; one
+    holding a NUL (%00) is refused as a raw NUL is."""
+    from kvtier.client import InvalidArgumentError
+    from kvtier.client.types import checked_address
+
+    for short in ("unix:/tmp/" + "%41" * 40, "unix:/tmp/k.sock?" + "x" * 120):
+        assert checked_address(short) == short
+    with pytest.raises(InvalidArgumentError, match="at most 107 bytes, this one 115"):
+        checked_address("unix:/tmp/" + "\u00e9" * 55)
+    with pytest.raises(InvalidArgumentError, match=r"holds a NUL character \(%00\)"):
+        checked_address("unix:/tmp/k%00.sock")
+
+
+def test_regression_an_abstract_socket_name_of_digits_was_refused_as_a_port(capsys):
+    """``unix-abstract:99999`` names an abstract socket, not a TCP port, but the port check
+    read it as 'host:port' and refused it as 'port 99999 is not a TCP port'. Its name is
+    checked as gRPC's (its %XX escapes decoded) against the size an abstract socket's name
+    holds, where gRPC failed every call with UNKNOWN 'Failed to create channel'."""
+    from kvtier.client.types import checked_address
+
+    for fine in ("unix-abstract:99999", "unix-abstract:" + "%39" * 107):
+        assert checked_address(fine) == fine
+    address = "unix-abstract:" + "9%39" * 54
+    says = "an abstract Unix socket name holds at most 107 bytes, this one 108"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and says in err
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
