@@ -56,6 +56,8 @@ class PoolBinding:
         sequence_len(token_ids, "token_ids")
         try:
             return block_keys(self.namespace, token_ids)
+        except InvalidArgumentError:
+            raise  # naming token_ids itself
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"token_ids: {e}") from None
 

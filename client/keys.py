@@ -135,10 +135,13 @@ class Namespace:
 
 
 def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
-    """The key of one block from its parent key (or the seed) and its token ids."""
-    if len(parent) != KEY_BYTES:
-        raise ValueError(f"parent key must be {KEY_BYTES} bytes")
-    ids = _token_bytes(tokens)
+    """The key of one block from its parent key (or the seed) and its token ids. A bad
+    argument is InvalidArgumentError naming it (also a ValueError)."""
+    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
+        raise InvalidArgumentError(f"parent: a key of {KEY_BYTES} bytes, not {_shown(parent)}")
+    if not isinstance(extra, bytes):
+        raise InvalidArgumentError(f"extra: expected bytes, not {type(extra).__name__}")
+    ids = _token_bytes(tokens, "tokens")
     h = hashlib.sha256(_BLOCK_TAG)
     h.update(parent)
     h.update(struct.pack("<I", len(ids) // 4))
@@ -153,30 +156,52 @@ def block_keys(
     token_ids: Sequence[int] | np.ndarray,
     extras: Sequence[bytes] | None = None,
 ) -> list[bytes]:
-    """Keys of every full block of ``token_ids``, chained from the namespace seed."""
+    """Keys of every full block of ``token_ids``, chained from the namespace seed. A bad
+    argument is InvalidArgumentError naming it (also a ValueError, which these raised)."""
+    if not isinstance(namespace, Namespace):
+        raise InvalidArgumentError(
+            f"namespace: expected a Namespace, not {type(namespace).__name__}"
+        )
     n = namespace.block_tokens
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:  # a batch of sequences ([[...]]) had no full block: no keys, no error
-        raise ValueError(f"token ids must be one-dimensional, not of shape {tokens.shape}")
+        raise InvalidArgumentError(
+            f"token_ids: token ids must be one-dimensional, not of shape {tokens.shape}"
+        )
     nblocks = len(tokens) // n
     if extras is not None and len(extras) < nblocks:
-        raise ValueError(f"extras has {len(extras)} entries for {nblocks} blocks")
+        raise InvalidArgumentError(f"extras: {len(extras)} entries for {nblocks} blocks")
+    _token_bytes(tokens[: nblocks * n], "token_ids")  # a block's own check names "tokens"
     key = namespace.seed()
     keys = []
     for i in range(nblocks):
-        key = block_key(key, tokens[i * n : (i + 1) * n], extras[i] if extras is not None else b"")
+        extra = extras[i] if extras is not None else b""
+        if not isinstance(extra, bytes):
+            raise InvalidArgumentError(f"extras[{i}]: expected bytes, not {type(extra).__name__}")
+        key = block_key(key, tokens[i * n : (i + 1) * n], extra)
         keys.append(key)
     return keys
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+def _token_bytes(tokens: Sequence[int] | np.ndarray, name: str) -> bytes:
+    """The token ids as the key hashes them, or InvalidArgumentError naming the argument
+    ``name``."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
-        raise ValueError("token ids must be one-dimensional")
+        raise InvalidArgumentError(
+            f"{name}: token ids must be one-dimensional, not of shape {arr.shape}"
+        )
     if arr.size == 0:
         return b""
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, not {arr.dtype}")
+        raise InvalidArgumentError(f"{name}: token ids must be integers, not {arr.dtype}")
     if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
-        raise ValueError("token ids must lie in [0, 2**32)")
+        raise InvalidArgumentError(f"{name}: token ids must lie in [0, 2**32)")
     return arr.astype("<u4").tobytes()
+
+
+def _shown(value: object) -> str:
+    """What a bad key argument was, briefly."""
+    if isinstance(value, bytes):
+        return f"{len(value)} bytes"
+    return type(value).__name__

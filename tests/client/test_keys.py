@@ -118,6 +118,34 @@ def test_bad_tokens_are_refused(tokens):
         block_keys(LLAMA, tokens)
 
 
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: block_keys(LLAMA, [-1, 0, 0, 0]), r"^token_ids: token ids must lie in"),
+        (lambda: block_keys(LLAMA, [0.5, 1, 2, 3]), r"^token_ids: token ids must be integers"),
+        (
+            lambda: block_keys(LLAMA, [[0, 1, 2, 3]]),
+            r"^token_ids: token ids must be one-dimensional",
+        ),
+        (lambda: block_keys(LLAMA, list(range(8)), [b""]), r"^extras: 1 entries for 2 blocks"),
+        (lambda: block_keys(LLAMA, list(range(4)), ["x"]), r"^extras\[0\]: expected bytes"),
+        (lambda: block_keys("m", list(range(4))), r"^namespace: expected a Namespace"),
+        (lambda: block_key(b"x", [0, 1, 2, 3]), r"^parent: a key of 32 bytes, not 1 bytes"),
+        (lambda: block_key(7, [0, 1, 2, 3]), r"^parent: a key of 32 bytes, not int"),
+        (lambda: block_key(LLAMA.seed(), [2**32]), r"^tokens: token ids must lie in"),
+        (lambda: block_key(LLAMA.seed(), [0], "x"), r"^extra: expected bytes, not str"),
+    ],
+)
+def test_regression_bad_block_key_arguments_raised_untyped_errors(call, says):
+    """``block_keys`` and ``block_key`` are public, but raised a plain ValueError (or
+    TypeError, AttributeError: a parent or namespace of another type, an extra that is no
+    bytes) for a bad argument, where the rest of the client raises InvalidArgumentError (a
+    ValueError too) naming the argument."""
+    with pytest.raises(InvalidArgumentError, match=says) as refused:
+        call()
+    assert isinstance(refused.value, ValueError)
+
+
 def test_bad_namespaces_are_refused():
     with pytest.raises(ValueError):
         Namespace(model="", kv_dtype="float16", block_tokens=4)
