@@ -345,8 +345,14 @@ def _not_a_file(directory: Path) -> str | None:
     or a data file is there as something else, a folder say), or None."""
     if not directory.is_dir():
         return None
-    # The last item: a write-back of the index cut short, which the open moves into place.
-    index = (INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", INDEX_NAME + RESTORE_SUFFIX)
+    # SQLite's rollback journal too: the switch to WAL opens it, and a folder there failed a
+    # healthy index's open (SQLITE_IOERR), which the tier then moved aside as damaged. The
+    # last item: a write-back of the index cut short, which the open moves into place.
+    index = (
+        INDEX_NAME,
+        *(f"{INDEX_NAME}-{end}" for end in ("wal", "shm", "journal")),
+        INDEX_NAME + RESTORE_SUFFIX,
+    )
     for path in [*(directory / n for n in (LOCK_NAME, *index)), *directory.glob(DATA_GLOB)]:
         try:
             mode = path.lstat().st_mode

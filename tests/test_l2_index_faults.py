@@ -416,13 +416,12 @@ def test_regression_a_new_l2_index_sqlite_could_not_make_ended_the_start_in_a_tr
     daemon_factory, tmp_path
 ):
     """A new L2 index that SQLite could not make for a reason other than a full disk (here
-    SQLITE_CANTOPEN: a folder where its rollback journal goes, which the switch to WAL opens;
-    the host checks look at the index, its WAL and shared memory only) ended kvtierd's start
-    in a Python traceback. The start is refused as other L2 start failures are: one line
-    naming the index and the cause, exit status 1."""
-    l2 = tmp_path / "l2"
-    l2.mkdir(mode=0o700)
-    (l2 / "index.sqlite3-journal").mkdir()
+    SQLITE_CANTOPEN: a folder path longer than the 512 bytes SQLite's own paths hold, which
+    the host checks, taking the OS's limit, pass) ended kvtierd's start in a Python
+    traceback. The start is refused as other L2 start failures are: one line naming the
+    index and the cause, exit status 1."""
+    l2 = tmp_path.joinpath(*["l2" * 100] * 3)
+    l2.mkdir(mode=0o700, parents=True)
     d = daemon_factory(*l2_args(l2), wait=False)
     assert d.proc is not None and d.proc.wait(60) == 1
     log = d.log()
@@ -430,3 +429,29 @@ def test_regression_a_new_l2_index_sqlite_could_not_make_ended_the_start_in_a_tr
     [line] = [x for x in log.splitlines() if "cannot start" in x]
     assert f"cannot make the L2 index {l2 / 'index.sqlite3'} (index: SQLITE_CANTOPEN" in line, log
     assert not (l2 / "index.sqlite3").exists()
+
+
+def test_regression_a_folder_at_the_l2_index_journal_moved_a_healthy_index_aside(
+    daemon_factory, tmp_path
+):
+    """The host checks looked at the L2 index, its WAL, shared memory and write-back copy,
+    not at its rollback journal: a folder at index.sqlite3-journal made the open of a
+    healthy index fail (SQLITE_IOERR), and the start moved it aside as damaged and started
+    empty, every block lost. The start is refused, naming the folder; with it gone, the
+    next start finds every block."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2))
+    ks, _ = _persisted(d, 4, 467)
+    assert d.stop() == 0
+    journal = l2 / "index.sqlite3-journal"
+    journal.mkdir()
+    d.start(wait=False)
+    assert d.proc is not None and d.proc.wait(60) == 1
+    log = d.log()
+    [line] = [x for x in log.splitlines() if "cannot start" in x]
+    assert f"L2 file {journal} is a directory" in line, log
+    assert not list(l2.glob("index.sqlite3.corrupt-*"))
+    journal.rmdir()
+    d.start()
+    with d.client() as client:
+        assert client.lookup(ks).tiers == [Tier.L2_DISK] * 4
