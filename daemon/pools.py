@@ -92,6 +92,7 @@ from kvtier.kernels.layout import LayoutError, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.tiers.advise import DONTNEED, POPULATE_READ, address, advise
 from kvtier.tiers.base import PoolPages
+from kvtier.tiers.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -602,10 +603,10 @@ class PoolRegistry:
         layout = pool.layout
         self._info(
             pool,
-            "pool %d registered: %s, %d MiB%s, %d pages of %d-byte blocks, %d layers",
+            "pool %d registered: %s, %s%s, %d pages of %d-byte blocks, %d layers",
             pool.pool_id,
             pool.name,
-            len(pool.buffer) >> 20,
+            format_size(len(pool.buffer)),
             " (sealed)" if pool.sealed else "",
             layout.num_pages,
             layout.block_bytes,

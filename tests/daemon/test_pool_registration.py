@@ -1378,3 +1378,19 @@ async def test_regression_a_refused_fd_registration_kept_its_ticket_until_it_exp
 
         await asyncio.to_thread(engine_side, daemon.addresses[0])
         assert len(daemon.tickets) == 0
+
+
+def test_regression_a_pool_under_a_mib_was_logged_as_0_mib(daemon):
+    """The daemon's line for a registered pool gave its size in whole MiB, shifted down: a
+    pool under 1 MiB (this one, 16 pages) read "memfd, 0 MiB", as if it held nothing, and a
+    1.5 MiB one "1 MiB". It is spelled as the tier lines spell sizes."""
+    from kvtier.tiers.sizes import format_size
+
+    small = dataclasses.replace(LAYOUT, num_pages=16)
+    with Client(daemon.address) as client, SharedMemoryPool.for_layout(small) as shm:
+        pool = client.register_pool(shm, small)
+        size = format_size(len(shm.buffer))
+        assert len(shm.buffer) < 1 << 20
+        client.unregister_pool(pool.pool_id)
+    lines = [x for x in daemon.log().splitlines() if f"pool {pool.pool_id} registered:" in x]
+    assert lines and f"registered: memfd, {size} (sealed), 16 pages of" in lines[0], lines
