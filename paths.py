@@ -34,6 +34,13 @@ SYSTEM_SOCKET = "/run/kvtier/" + SOCKET_NAME
 _MAX_LINKS = 40
 
 
+def unix_address(path: str) -> str:
+    """The "unix:" address that gRPC reads as the socket path ``path``: gRPC decodes %XX
+    escapes in it and ends it at a "?" or "#", so those three characters are written as
+    escapes (``kvtier.client.types.unix_socket_path`` reads it back)."""
+    return "unix:" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+
+
 def user_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
     """The socket of a daemon a user runs: under ``$XDG_RUNTIME_DIR``, else a per-user /tmp
     folder."""

@@ -222,18 +222,20 @@ def split_counter(key: str) -> tuple[str, dict[str, str]]:
 def resolve_address(address: str | None) -> str:
     """The gRPC target: ``address``, else ``$KVTIER_ADDRESS``, else the default socket
     (``kvtier.paths``: the first of the user's and the system's daemon sockets that exists).
-    Unix socket paths are made absolute, and written as gRPC reads them (``unix_address``). One that is no str is InvalidArgumentError (a
+    Unix socket paths are made absolute, and written as gRPC reads them (``paths.unix_address``). One that is no str is InvalidArgumentError (a
     ``Path`` raised AttributeError here, and an empty list took the default)."""
     if address is not None and not isinstance(address, str):
         raise InvalidArgumentError(f"address: expected str, not {type(address).__name__}")
-    address = address or os.environ.get(ADDRESS_ENV) or unix_address(paths.default_client_socket())
+    address = (
+        address or os.environ.get(ADDRESS_ENV) or paths.unix_address(paths.default_client_socket())
+    )
     if address.startswith("unix:") and not address.startswith("unix://"):
         # An empty path stays empty (``checked_address`` refuses it): abspath made it the
         # working directory.
         path = unix_socket_path(address)
-        return unix_address(os.path.abspath(path)) if path else address
+        return paths.unix_address(os.path.abspath(path)) if path else address
     if address.startswith("/") or address.startswith("."):
-        return unix_address(os.path.abspath(address))
+        return paths.unix_address(os.path.abspath(address))
     return address
 
 
@@ -272,12 +274,6 @@ def unix_socket_path(address: str) -> str | None:
     if address.startswith("unix:"):
         return _uri_path(address[len("unix:") :])
     return None
-
-
-def unix_address(path: str) -> str:
-    """The "unix:" address that gRPC reads as ``path`` (``unix_socket_path`` undoes it): the
-    characters it would read as an escape, a query or a fragment written as escapes."""
-    return "unix:" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
 
 
 def pool_address_problem(address: str) -> str | None:

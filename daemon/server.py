@@ -63,6 +63,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2
 
+from kvtier import paths
 from kvtier.daemon import systemd
 from kvtier.daemon.config import Config, ServerConfig, join_host_port, split_host_port
 from kvtier.daemon.connections import ConnectionWatch
@@ -880,7 +881,7 @@ class Daemon:
             # stop unlinks the name it bound), its mode and group, and only then listening
             # (start()).
             with private_umask():
-                self.server.add_insecure_port(f"unix:{path}{BIND_SUFFIX}")
+                self.server.add_insecure_port(paths.unix_address(path + BIND_SUFFIX))
             # Known before its access is set: a start that cannot set it removes it (unbind).
             self._socket_identity = move_bound(path + BIND_SUFFIX, path)
             apply_access(path, access)
@@ -893,7 +894,7 @@ class Daemon:
                 self.service.counters,
             )
             self.credentials.start(access)
-            self.addresses.append(f"unix:{path}")
+            self.addresses.append(paths.unix_address(path))
             unix_path = path + BIND_SUFFIX  # the name its connections carry (move_bound)
         if cfg.tcp_address:
             try:

@@ -27,6 +27,7 @@ from pathlib import Path
 from forkserver import DEFAULT_ENTRY, ForkedDaemon, fork_server
 
 from kvtier.client import Client, wait_until_serving
+from kvtier.paths import unix_address
 
 START_TIMEOUT_S = 60.0
 _NAMESPACES = itertools.count()
@@ -55,7 +56,7 @@ class DaemonProcess:
 
     @property
     def address(self) -> str:
-        return f"unix:{self.socket}"
+        return unix_address(self.socket)
 
     def start(self, wait: bool = True) -> DaemonProcess:
         args = [

@@ -919,3 +919,27 @@ def test_regression_what_stood_at_the_sockets_bind_name_failed_the_start_in_a_tr
     assert f"{path}{BIND_SUFFIX} exists and is not a socket" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert os.listdir(tmp_path) == ["d.sock.new"] and os.path.isdir(path + BIND_SUFFIX)
+
+
+def test_regression_a_socket_path_holding_a_percent_sign_was_bound_as_another_file(tmp_path):
+    """The daemon gave gRPC its socket path as "unix:PATH", which gRPC reads as a URI: it
+    decoded the %41 of ".../a%41.sock" and bound ".../aA.sock.new", so the start failed
+    ("No such file or directory" for the name it meant to move into place) and left that
+    file behind; a "?" or "#" in the path made the address it logged one that clients read
+    as another path. The path is written as an address gRPC reads back as that path."""
+    from kvtier.paths import unix_address
+
+    folder = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    path = os.path.join(folder, "a%41?#.sock")
+    d = DaemonProcess(tmp_path, path, ["--set", "tiers.l1.capacity_bytes=64MiB"])
+    try:
+        d.start()
+        names = os.listdir(folder)
+        assert {"a%41?#.sock", "a%41?#.sock.cred"} <= set(names), names
+        assert all(n.startswith("a%41?#.sock") for n in names), names
+        with Client(unix_address(path)) as client:
+            assert client.stats().tiers
+        assert f"kvtierd listening on {unix_address(path)}" in d.log()
+    finally:
+        d.kill()
+        shutil.rmtree(folder)
