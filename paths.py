@@ -37,8 +37,12 @@ _MAX_LINKS = 40
 def unix_address(path: str) -> str:
     """The "unix:" address that gRPC reads as the socket path ``path``: gRPC decodes %XX
     escapes in it and ends it at a "?" or "#", so those three characters are written as
-    escapes (``kvtier.client.types.unix_socket_path`` reads it back)."""
-    return "unix:" + path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+    escapes (``kvtier.client.types.unix_socket_path`` reads it back); so are the bytes of a
+    path that is no UTF-8 (``os.fsdecode``'s surrogates), which no address may hold raw."""
+    text = path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+    return "unix:" + "".join(
+        f"%{ord(c) - 0xDC00:02X}" if "\udc80" <= c <= "\udcff" else c for c in text
+    )
 
 
 def user_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:

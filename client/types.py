@@ -304,7 +304,8 @@ def checked_address(address: str) -> str:
     to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
     there; written with %XX escapes too, which gRPC decodes); one not encodable as UTF-8 (a
     byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
-    gRPC cannot take (UnicodeEncodeError); one holding a NUL character, which gRPC reads
+    gRPC cannot take (UnicodeEncodeError; a Unix socket path's such bytes ``resolve_address``
+    writes as escapes); one holding a NUL character, which gRPC reads
     only up to there (``localhost:99999`` and a NUL, which no check below matched, went to
     port 34463 too)."""
     try:
