@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import Client
 from kvtier.client.types import unix_socket_path
+from kvtier.paths import unix_address
 
 # Unix socket paths are limited to 107 bytes (sun_path).
 _MAX_SOCKET_PATH = 107
@@ -96,7 +97,7 @@ def bench_daemon(
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(args, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
-    daemon = BenchDaemon(f"unix:{sock}", workdir, proc, log_path, spawned_at=t0)
+    daemon = BenchDaemon(unix_address(sock), workdir, proc, log_path, spawned_at=t0)
     try:
         wait_until_serving(daemon.address, proc, daemon.log, start_timeout_s, poll_s=poll_s)
         daemon.start_s = time.perf_counter() - t0

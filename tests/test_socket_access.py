@@ -943,3 +943,27 @@ def test_regression_a_socket_path_holding_a_percent_sign_was_bound_as_another_fi
     finally:
         d.kill()
         shutil.rmtree(folder)
+
+
+def test_regression_a_bench_daemon_at_a_socket_path_holding_a_percent_sign_was_not_reached():
+    """The bench launcher addressed its daemon as "unix:PATH", which gRPC reads with its %XX
+    escapes decoded: since the daemon binds the path itself (a33539a), a socket path (or
+    TMPDIR) holding "%41" had the launcher wait for, and its clients dial, ".../aA.sock",
+    and the start ran out of time. The launcher writes the address as gRPC reads it back."""
+    from kvtier.bench.launcher import bench_daemon
+    from kvtier.client.types import unix_socket_path
+
+    folder = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    path = os.path.join(folder, "a%41.sock")
+    try:
+        with bench_daemon(
+            "tiers.l1.capacity_bytes=64MiB",
+            socket_path=path,
+            start_timeout_s=30,
+            wait_recovered=False,
+        ) as daemon:
+            assert unix_socket_path(daemon.address) == path
+            with Client(daemon.address) as client:
+                assert client.stats().tiers
+    finally:
+        shutil.rmtree(folder)
