@@ -222,8 +222,9 @@ def split_counter(key: str) -> tuple[str, dict[str, str]]:
 def resolve_address(address: str | None) -> str:
     """The gRPC target: ``address``, else ``$KVTIER_ADDRESS``, else the default socket
     (``kvtier.paths``: the first of the user's and the system's daemon sockets that exists).
-    Unix socket paths are made absolute, and written as gRPC reads them (``paths.unix_address``). One that is no str is InvalidArgumentError (a
-    ``Path`` raised AttributeError here, and an empty list took the default)."""
+    Unix socket paths are made absolute, and written as gRPC reads them
+    (``paths.unix_address``). One that is no str is InvalidArgumentError (a ``Path`` raised
+    AttributeError here, and an empty list took the default)."""
     if address is not None and not isinstance(address, str):
         raise InvalidArgumentError(f"address: expected str, not {type(address).__name__}")
     address = (
