@@ -91,12 +91,14 @@ def test_a_fork_server_killed_takes_its_children_and_is_replaced(
     d = daemon_factory()
     assert isinstance(d.proc, ForkedDaemon)
     server = d.proc.server
-    server.proc.kill()
-    server.proc.wait(10)
-    with pytest.raises(RuntimeError, match="fork server ended"):
-        d.proc.wait(10)
-    pidfd = os.pidfd_open(d.proc.pid)  # an orphan now, SIGKILLed as its parent died
+    # Opened while the server is its parent: once it dies, the orphan (SIGKILLed as its parent
+    # died) may be reaped and its pid reused before a pidfd could name it.
+    pidfd = os.pidfd_open(d.proc.pid)
     try:
+        server.proc.kill()
+        server.proc.wait(10)
+        with pytest.raises(RuntimeError, match="fork server ended"):
+            d.proc.wait(10)
         assert select.select([pidfd], [], [], 10)[0] == [pidfd]
     finally:
         os.close(pidfd)
