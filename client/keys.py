@@ -141,7 +141,12 @@ def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = 
         raise InvalidArgumentError(f"parent: a key of {KEY_BYTES} bytes, not {_shown(parent)}")
     if not isinstance(extra, bytes):
         raise InvalidArgumentError(f"extra: expected bytes, not {type(extra).__name__}")
-    ids = _token_bytes(tokens, "tokens")
+    return _chained(parent, _token_bytes(tokens, "tokens"), extra)
+
+
+def _chained(parent: bytes, ids: bytes, extra: bytes) -> bytes:
+    """``block_key`` of arguments already checked, the token ids as ``_token_bytes`` gives
+    them."""
     h = hashlib.sha256(_BLOCK_TAG)
     h.update(parent)
     h.update(struct.pack("<I", len(ids) // 4))
@@ -171,14 +176,16 @@ def block_keys(
     nblocks = len(tokens) // n
     if extras is not None and len(extras) < nblocks:
         raise InvalidArgumentError(f"extras: {len(extras)} entries for {nblocks} blocks")
-    _token_bytes(tokens[: nblocks * n], "token_ids")  # a block's own check names "tokens"
+    # Checked and converted once (the refusal names "token_ids"), each block hashing its slice.
+    ids = _token_bytes(tokens[: nblocks * n], "token_ids")
+    step = 4 * n
     key = namespace.seed()
     keys = []
     for i in range(nblocks):
         extra = extras[i] if extras is not None else b""
         if not isinstance(extra, bytes):
             raise InvalidArgumentError(f"extras[{i}]: expected bytes, not {type(extra).__name__}")
-        key = block_key(key, tokens[i * n : (i + 1) * n], extra)
+        key = _chained(key, ids[i * step : (i + 1) * step], extra)
         keys.append(key)
     return keys
 
