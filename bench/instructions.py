@@ -71,6 +71,7 @@ from kvtier.client import Client, SharedMemoryPool
 from kvtier.daemon import connections, memtrim
 from kvtier.daemon.config import ServerConfig
 from kvtier.daemon.loops import EVENT_LOOPS
+from kvtier.paths import unix_address
 
 OPS = ("ping", "health", "put", "get", "lookup")
 DAEMON_OPS = ("health", "put", "get", "lookup")
@@ -211,7 +212,7 @@ def _ping_server(valgrind: str, work: Path, loop: str) -> Iterator[tuple[int, st
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the ping server did not start:\n{log_path.read_text()}")
             time.sleep(0.05)
-        yield proc.pid, f"unix:{sock}"
+        yield proc.pid, unix_address(str(sock))
     finally:
         stop(proc)
 

@@ -19,6 +19,7 @@ def serve(path: str, loop: str, on_ready: Callable[[], None] = lambda: None) -> 
     import grpc
 
     from kvtier.daemon import loops
+    from kvtier.paths import unix_address
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
@@ -35,7 +36,7 @@ def serve(path: str, loop: str, on_ready: Callable[[], None] = lambda: None) -> 
             "kvtier.bench.Ping", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
         )
         server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"unix:{path}")
+        server.add_insecure_port(unix_address(path))  # as gRPC reads it back: the path
         await server.start()
         on_ready()
         await server.wait_for_termination()

@@ -61,6 +61,7 @@ from kvtier.bench.launcher import bench_daemon
 from kvtier.bench.ping import PING_METHOD, serve
 from kvtier.daemon.config import ServerConfig
 from kvtier.daemon.loops import EVENT_LOOPS
+from kvtier.paths import unix_address
 
 BLOCK_BYTES = 4096
 PING_PAYLOAD = 64
@@ -291,7 +292,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                 servers[op].start()
                 if not ready.wait(120):
                     raise RuntimeError(f"the {op} server did not start")
-                addresses[op] = f"unix:{path}"
+                addresses[op] = unix_address(path)
             for k in counts:
                 pools.append(_Clients(k, daemon.address, addresses, args.pages))
             for pool in pools:

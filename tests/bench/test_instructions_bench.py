@@ -4,8 +4,10 @@ tiny size; a host without valgrind is told what to install (exit status 2), not 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -126,3 +128,38 @@ def test_regression_the_idle_span_held_one_of_the_slowest_timers_checks_or_none(
     of 10 ms with where the checks fell. The default span is two of their periods."""
     slowest = max(connections.CHECK_INTERVAL_S, memtrim.CHECK_INTERVAL_S)
     assert _parse([]).idle_s >= 2 * slowest
+
+
+def test_regression_a_ping_server_at_a_socket_path_holding_a_percent_sign_bound_another_file() -> (
+    None
+):
+    """The benches' ping server bound "unix:PATH", which gRPC reads with its %XX escapes
+    decoded: a scratch folder (a TMPDIR) holding "%41" had it bind ".../A..." (or fail, that
+    folder missing), so ``kvtier bench instructions`` waited for a socket that never came and
+    ``kvtier bench rpc`` dialled the decoded name. It binds, and is dialled at, the path."""
+    import grpc
+
+    from kvtier.bench.ping import PING_METHOD
+    from kvtier.paths import unix_address
+
+    folder = tempfile.mkdtemp(prefix="kvt-%41-", dir="/tmp")
+    path = os.path.join(folder, "ping.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.bench.ping", path, "asyncio"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not os.path.exists(path):
+            proc.kill()
+            out, _ = proc.communicate(timeout=10)
+            pytest.fail(f"no socket at {path}: {out.decode(errors='replace')[-2000:]}")
+        with grpc.insecure_channel(unix_address(path)) as channel:
+            assert channel.unary_unary(PING_METHOD)(b"ping", timeout=30) == b"ping"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+        shutil.rmtree(folder)
