@@ -438,10 +438,19 @@ def _field_kinds(message: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if kinds is None:
         fields = message.DESCRIPTOR.fields
         kinds = _FIELD_KINDS[message] = (
-            tuple(f.name for f in fields if f.is_repeated),
-            tuple(f.name for f in fields if _is_bool(f) and not f.is_repeated),
+            tuple(f.name for f in fields if _is_repeated(f)),
+            tuple(f.name for f in fields if _is_bool(f) and not _is_repeated(f)),
         )
     return kinds
+
+
+def _is_repeated(field: FieldDescriptor) -> bool:
+    # ``is_repeated`` where protobuf has it (``label`` is deprecated there); the client's
+    # oldest protobuf (3.20.3, tests/packaging) has only ``label``.
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is None:
+        return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+    return bool(repeated)
 
 
 def _is_bool(field: FieldDescriptor) -> bool:
