@@ -1242,7 +1242,9 @@ class SpaceManager:
         # rows with its own (``SlotTier.removing``).
         level.slots.removing(slots, refs)
         if repeats:
-            level.slots.removing(repeats)
+            # Noted as removing, with their keys, when ``free_when_idle`` kept them: noted
+            # again here, unkeyed, a slot whose row its key's commit had deleted since came
+            # back for every later commit of any key to delete again.
             slots = [*slots, *repeats]
 
         async def free() -> bool:
