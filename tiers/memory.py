@@ -131,11 +131,12 @@ class MemoryTier:
         out = []
         now = time.time()
         with self._lock:
-            written = {bytes(ref[1]) for ref in batch.blocks}
-            for slot, key in list(self._unremoved_rows.items()):
-                if key is None or key in written:
-                    self._medium.index.pop(slot, None)
-                    del self._unremoved_rows[slot]
+            if self._unremoved_rows:  # the written keys' set only where rows wait
+                written = {bytes(ref[1]) for ref in batch.blocks}
+                for slot, key in list(self._unremoved_rows.items()):
+                    if key is None or key in written:
+                        self._medium.index.pop(slot, None)
+                        del self._unremoved_rows[slot]
             for slot, start, ref in zip(batch.slots, starts.tolist(), batch.blocks, strict=True):
                 data = self._medium.arena[start : start + batch.nbytes]
                 csum = int(xxhash.xxh3_64_intdigest(data.data)) if self.checksummed else 0
@@ -179,7 +180,6 @@ class MemoryTier:
         with self._lock:
             for slot in slots:
                 self._unremoved_rows.pop(int(slot), None)
-            for slot in slots:
                 self._medium.index.pop(int(slot), None)
                 self._sums.pop(int(slot), None)
             slots = [int(s) for s in slots if int(s) not in self.quarantined]
