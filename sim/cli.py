@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from kvtier.daemon.policy.heat import DEFAULT_HALF_LIFE_S
 from kvtier.daemon.policy.registry import policy_names
 from kvtier.sim import tracegen
 from kvtier.sim.cluster import (
@@ -120,7 +121,12 @@ def add_replay_parser(subparsers: Any) -> None:
         help="with --forget-dropped: how much history of dropped blocks is kept, times the "
         "blocks held (default 2, the daemon's policy.history_factor; 0: none)",
     )
-    p.add_argument("--half-life", type=_positive_float, help="heat half-life in seconds")
+    p.add_argument(
+        "--half-life",
+        type=_positive_float,
+        help=f"the heat policy's half-life in seconds (default {DEFAULT_HALF_LIFE_S:g}, the "
+        "daemon's policy.half_life_s); refused where heat is not replayed",
+    )
     c = p.add_argument_group(
         "cluster",
         "N nodes, each with the tiers above (--l1-blocks, --l2-blocks are per node), "
@@ -252,6 +258,13 @@ def _replay_command(args: argparse.Namespace) -> int:
         if args.l2_admission is not None and not args.l2_blocks:
             # Without an L2 it was ignored unread, a misspelt rule included.
             raise ValueError("--l2-admission needs an L2: give --l2-blocks")
+    replayed = (args.policies or SWEEP_POLICIES) if args.sweep else [args.policy or DEFAULT_POLICY]
+    if args.half_life is not None and "heat" not in replayed:
+        # Every other policy takes it and drops it unread: the run would be one without it.
+        raise ValueError(
+            f"--half-life is the heat policy's, and heat is not replayed here "
+            f"({', '.join(replayed)}): replay heat, or leave it out"
+        )
     params = {"half_life_s": args.half_life} if args.half_life else {}
     stack = StackConfig(
         write_policy=args.write_policy,

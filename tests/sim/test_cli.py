@@ -334,6 +334,30 @@ def test_regression_an_l2_admission_without_an_l2_was_ignored_unread(
 @pytest.mark.parametrize(
     "args",
     [
+        ["--l1-blocks", "2", "--policy", "lru"],
+        ["--l1-blocks", "2", "--policy", "density"],
+        ["--sweep", "--policies", "lru,arc", "--percents", "50"],
+    ],
+)
+def test_regression_a_half_life_no_replayed_policy_has_was_ignored_unread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """`replay --policy lru --half-life 10` (or density, or arc) replayed as without it and
+    exited 0: only heat reads a half-life, and every other policy dropped it unread."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    assert main(["replay", str(path), *args, "--half-life", "10"]) == 2
+    captured = capsys.readouterr()
+    assert "kvtier replay: error: --half-life is the heat policy's" in captured.err
+    assert captured.out == ""
+    # With heat replayed, alone or in a sweep, it applies.
+    assert main(["replay", str(path), "--l1-blocks", "2", "--half-life", "10"]) == 0
+    assert main(["replay", str(path), "--sweep", "--percents", "50", "--half-life", "10"]) == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
         ["--l1-blocks", "-1"],
         ["--l1-blocks", "2", "--l2-blocks", "-1"],
         ["--l1-blocks", "2", "--protect-s", "-1"],
