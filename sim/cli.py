@@ -117,7 +117,6 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument(
         "--history-factor",
         type=_non_negative_float,
-        default=2.0,
         help="with --forget-dropped: how much history of dropped blocks is kept, times the "
         "blocks held (default 2, the daemon's policy.history_factor; 0: none)",
     )
@@ -265,6 +264,9 @@ def _replay_command(args: argparse.Namespace) -> int:
             f"--half-life is the heat policy's, and heat is not replayed here "
             f"({', '.join(replayed)}): replay heat, or leave it out"
         )
+    if args.history_factor is not None and not args.forget_dropped:
+        # Policies forget nothing without it, so the factor would go unread.
+        raise ValueError("--history-factor needs --forget-dropped")
     params = {"half_life_s": args.half_life} if args.half_life else {}
     stack = StackConfig(
         write_policy=args.write_policy,
@@ -272,7 +274,9 @@ def _replay_command(args: argparse.Namespace) -> int:
         queue_window_s=args.queue_window,
         l1_watermarks=args.l1_watermarks,
         forget_dropped=args.forget_dropped,
-        history_factor=args.history_factor,
+        history_factor=(
+            StackConfig().history_factor if args.history_factor is None else args.history_factor
+        ),
     )
     cluster = _cluster(args)
     if args.plot:

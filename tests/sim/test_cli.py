@@ -355,6 +355,24 @@ def test_regression_a_half_life_no_replayed_policy_has_was_ignored_unread(
     assert main(["replay", str(path), "--sweep", "--percents", "50", "--half-life", "10"]) == 0
 
 
+def test_regression_a_history_factor_without_forget_dropped_was_ignored_unread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay --history-factor 0` (the README's row is `--forget-dropped --history-factor 0`)
+    replayed as without it and exited 0: policies forget nothing without --forget-dropped, so
+    the factor was never read."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    assert main(["replay", str(path), "--l1-blocks", "2", "--history-factor", "0"]) == 2
+    captured = capsys.readouterr()
+    assert "kvtier replay: error: --history-factor needs --forget-dropped" in captured.err
+    assert captured.out == ""
+    args = ["--l1-blocks", "2", "--forget-dropped", "--history-factor", "0"]
+    assert main(["replay", str(path), *args]) == 0
+    # Left out, the factor is the daemon's (2).
+    assert main(["replay", str(path), "--l1-blocks", "2", "--forget-dropped"]) == 0
+
+
 @pytest.mark.parametrize(
     "args",
     [
