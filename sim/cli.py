@@ -144,7 +144,7 @@ def add_replay_parser(subparsers: Any) -> None:
         help="which node serves each request (default prefix): "
         + "; ".join(f"{name}: {doc}" for name, doc in ROUTE_DOCS.items()),
     )
-    c.add_argument("--route-seed", type=_count(0), default=0, help="seed of --route random (0)")
+    c.add_argument("--route-seed", type=_count(0), help="seed of --route random (0)")
     c.add_argument(
         "--l3-blocks",
         type=_count(0),
@@ -369,10 +369,13 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         for given, flag in ((args.l3_ttl_s, "--l3-ttl-s"), (args.l3_admission, "--l3-admission")):
             if given is not None:
                 raise ValueError(f"{flag} needs an L3: give --l3-blocks")
+    if args.route_seed is not None and args.route != "random":
+        # Only the random route draws: another seed would change nothing.
+        raise ValueError("--route-seed needs --route random")
     return ClusterConfig(
         nodes=args.nodes,
         route=args.route,
-        route_seed=args.route_seed,
+        route_seed=args.route_seed or 0,
         l3_blocks=args.l3_blocks,
         l3_ttl_s=DAEMON_L3_TTL_S if args.l3_ttl_s is None else args.l3_ttl_s,
         l3_admission=args.l3_admission or DAEMON_L3_ADMISSION,

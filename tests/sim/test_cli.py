@@ -373,6 +373,23 @@ def test_regression_a_history_factor_without_forget_dropped_was_ignored_unread(
     assert main(["replay", str(path), "--l1-blocks", "2", "--forget-dropped"]) == 0
 
 
+@pytest.mark.parametrize("route", [[], ["--route", "round-robin"]])
+def test_regression_a_route_seed_of_another_route_than_random_was_ignored_unread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], route: list[str]
+) -> None:
+    """`replay --nodes 2 --route-seed 5` (route prefix, the default) replayed as without the
+    seed and exited 0: only --route random draws, so another seed changed nothing."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    args = ["--l1-blocks", "2", "--nodes", "2", *route, "--route-seed", "5"]
+    assert main(["replay", str(path), *args]) == 2
+    captured = capsys.readouterr()
+    assert "kvtier replay: error: --route-seed needs --route random" in captured.err
+    assert captured.out == ""
+    args = ["--l1-blocks", "2", "--nodes", "2", "--route", "random", "--route-seed", "5"]
+    assert main(["replay", str(path), *args]) == 0
+
+
 @pytest.mark.parametrize(
     "args",
     [
