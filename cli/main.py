@@ -604,6 +604,12 @@ def _quarantine_with(args: argparse.Namespace, client: Client) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
+    if args.resume and args.wait > 0:
+        print(
+            "kvtier drain: --wait waits for a drain's sessions to end; --resume ends it",
+            file=sys.stderr,
+        )
+        return DRAIN_REFUSED
     return _admin(args, "drain", DRAIN_REFUSED, lambda client: _drain_with(args, client))
 
 
@@ -837,7 +843,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="wait up to S seconds for the open sessions to end",
     )
-    d.add_argument("--resume", action="store_true", help="take new sessions again")
+    d.add_argument(
+        "--resume", action="store_true", help="take new sessions again (refused with --wait)"
+    )
     d.set_defaults(func=_drain)
 
     q = sub.add_parser(

@@ -595,6 +595,17 @@ def test_drain_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
         assert f"cannot reach kvtierd at {missing}" in err and out == ""
 
 
+def test_regression_drain_resume_with_wait_ignored_the_wait(tmp_path, capsys):
+    """`kvtier drain --resume --wait 60` resumed and exited 0 at once: the wait, which only a
+    drain has, went unread. Refused before anything is sent, as `quarantine --slot` without
+    --release is."""
+    missing = f"unix:{tmp_path}/none.sock"
+    code, out, err = run_main(capsys, "--address", missing, "drain", "--resume", "--wait", "60")
+    assert code == 2, (out, err)
+    assert err == "kvtier drain: --wait waits for a drain's sessions to end; --resume ends it\n"
+    assert out == ""
+
+
 def _daemon_with_tenant_over_tcp(daemon_factory, tmp_path):
     """A daemon with one tenant, ``t``, that also listens on a TCP port of 127.0.0.1 (one it
     took: port 0): the daemon, the port and the tenant's token file (the tests run as root, an
