@@ -71,8 +71,7 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument(
         "--write-policy",
         choices=WRITE_POLICIES,
-        default="write_back",
-        help="how blocks reach L2 (default write_back)",
+        help="how blocks reach L2 (default write_back; needs --l2-blocks)",
     )
     p.add_argument(
         "--protect-s",
@@ -240,6 +239,7 @@ def _replay_command(args: argparse.Namespace) -> int:
             (args.admission is not None, "--admission"),
             (args.l2_admission is not None, "--l2-admission"),
             (args.policy is not None, "--policy"),
+            (args.write_policy is not None, "--write-policy"),
         ):
             if given:
                 raise ValueError(
@@ -257,6 +257,9 @@ def _replay_command(args: argparse.Namespace) -> int:
         if args.l2_admission is not None and not args.l2_blocks:
             # Without an L2 it was ignored unread, a misspelt rule included.
             raise ValueError("--l2-admission needs an L2: give --l2-blocks")
+        if args.write_policy is not None and not args.l2_blocks:
+            # How blocks reach L2: without one it was ignored unread.
+            raise ValueError("--write-policy needs an L2: give --l2-blocks")
     replayed = (args.policies or SWEEP_POLICIES) if args.sweep else [args.policy or DEFAULT_POLICY]
     if args.half_life is not None and "heat" not in replayed:
         # Every other policy takes it and drops it unread: the run would be one without it.
@@ -269,7 +272,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         raise ValueError("--history-factor needs --forget-dropped")
     params = {"half_life_s": args.half_life} if args.half_life else {}
     stack = StackConfig(
-        write_policy=args.write_policy,
+        write_policy=args.write_policy or StackConfig().write_policy,
         protect_s=args.protect_s,
         queue_window_s=args.queue_window,
         l1_watermarks=args.l1_watermarks,

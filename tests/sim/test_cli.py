@@ -373,6 +373,23 @@ def test_regression_a_history_factor_without_forget_dropped_was_ignored_unread(
     assert main(["replay", str(path), "--l1-blocks", "2", "--forget-dropped"]) == 0
 
 
+@pytest.mark.parametrize(
+    "args", [["--l1-blocks", "2"], ["--sweep", "--percents", "50"]], ids=["no-l2", "sweep"]
+)
+def test_regression_a_write_policy_without_an_l2_was_ignored_unread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """`replay --l1-blocks 2 --write-policy write_through` (or a sweep, one tier) replayed as
+    without it and exited 0: a write policy says how blocks reach L2, and there was none."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    assert main(["replay", str(path), *args, "--write-policy", "write_through"]) == 2
+    captured = capsys.readouterr()
+    needs = "needs an L2: give --l2-blocks" if "--sweep" not in args else "does not apply to"
+    assert f"kvtier replay: error: --write-policy {needs}" in captured.err
+    assert captured.out == ""
+
+
 @pytest.mark.parametrize("route", [[], ["--route", "round-robin"]])
 def test_regression_a_route_seed_of_another_route_than_random_was_ignored_unread(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], route: list[str]
