@@ -177,6 +177,11 @@ MAX_PENDING_CALLS = 8192
 # beside such a flood: p50 2.4 s with some dropped -> 0.07-0.14 s, none dropped). An engine
 # keeps a few calls open per connection, far under the bound.
 MAX_STREAMS_PER_CONNECTION = 256
+# A request's metadata (headers), set as both of gRPC's limits. Its defaults are a soft 8 KiB,
+# past which it refuses requests at random (the nearer the hard limit, the more often), and a
+# hard 16 KiB: one call with 10 KB of metadata was served three times in four. One bound
+# refuses every request past it (RESOURCE_EXHAUSTED) and serves every one under it.
+MAX_METADATA_BYTES = 16 << 10
 # File descriptors the daemon keeps for its own use beside server.max_connections (its files,
 # the credential socket's connections, memfds handed over with their tickets): fewer under
 # RLIMIT_NOFILE is warned of at start.
@@ -846,6 +851,8 @@ class Daemon:
                 ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
                 ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+                ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+                ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
                 ("grpc.max_connection_idle_ms", round(cfg.idle_connection_s * 1000)),
                 # gRPC binds TCP ports with SO_REUSEPORT by default: a second daemon given the
                 # same server.tcp_address listened beside the first and the kernel split the
