@@ -318,6 +318,70 @@ def test_regression_names_ending_in_a_newline_passed_the_daemons_checks(daemon):
         assert client.stats().gauges["pools"] == 0
 
 
+def _varint(n: int) -> bytes:
+    out = b""
+    while n > 0x7F:
+        out += bytes([n & 0x7F | 0x80])
+        n >>= 7
+    return out + bytes([n])
+
+
+def _field(number: int, wire: int, body: bytes = b"") -> bytes:
+    """A field's tag, then ``body`` (with its length first for wire type 2)."""
+    tag = _varint(number << 3 | wire)
+    return tag + (_varint(len(body)) + body if wire == 2 else body)
+
+
+def test_hand_built_messages_of_every_wire_shape_get_a_typed_status(daemon):
+    """Below the client: a session's Lookup with fields of the wrong wire type, another
+    message's bytes, groups nested past protobuf's recursion limit or left open, unknown
+    fields nested 500 deep, messages at and past the size limit and unknown methods. Each
+    gets its own status (never UNKNOWN or INTERNAL), and the daemon goes on serving the
+    session."""
+    with daemon.client() as client, grpc.insecure_channel(daemon.address) as channel:
+        session = _field(1, 2, client.session_id.encode())
+        key = _field(2, 2, bytes(32))
+        nested = b"x"
+        for _ in range(500):
+            nested = _field(111, 2, nested)
+        limit = 4 << 20  # server.max_message_bytes's default
+        at_limit = session + key + _field(100, 2, bytes(limit - len(session + key) - 6))
+        assert len(at_limit) == limit
+        invalid, found = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK
+        cases = {
+            "keys as a varint": (session + _field(2, 0, b"\x05"), invalid),
+            "lease_ms past uint32": (
+                session + key + _field(3, 0, b"\x01") + _field(4, 0, b"\xff" * 9 + b"\x01"),
+                invalid,
+            ),
+            "pin length-delimited": (session + key + _field(3, 2, b"\x01"), found),
+            "a StatsResponse": (
+                session + pb.StatsResponse(version="x").SerializeToString(),
+                invalid,
+            ),
+            "groups past the recursion limit": (session + _field(99, 3) * 20_000, invalid),
+            "a group left open": (session + key + _field(99, 3), invalid),
+            "an end-group of another field": (session + _field(99, 3) + _field(98, 4), invalid),
+            "unknown fields 500 deep": (session + key + nested, found),
+            "exactly the size limit": (at_limit, found),
+            "one byte past it": (at_limit + b"\x00", grpc.StatusCode.RESOURCE_EXHAUSTED),
+        }
+        lookup = channel.unary_unary("/kvtier.v1.KVTier/Lookup")
+        for what, (payload, want) in cases.items():
+            try:
+                lookup(payload, timeout=10)
+                got = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                got = e.code()
+            assert got == want, what
+        for path in ("/kvtier.v1.KVTier/Nope", "/no.Such/Service", "/" + "a" * 5000):
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary(path)(b"", timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert client.lookup([bytes(32)]).prefix_len == 0
+        assert daemon.running() and "Traceback" not in daemon.log()
+
+
 def test_regression_requests_with_8_to_16_kib_of_metadata_were_refused_at_random(daemon):
     """gRPC's default metadata limits are a soft 8 KiB, past which it refuses a request at
     random (more often the nearer the hard 16 KiB), and the hard 16 KiB past which it refuses
