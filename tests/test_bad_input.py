@@ -347,23 +347,31 @@ def test_hand_built_messages_of_every_wire_shape_get_a_typed_status(daemon):
         limit = 4 << 20  # server.max_message_bytes's default
         at_limit = session + key + _field(100, 2, bytes(limit - len(session + key) - 6))
         assert len(at_limit) == limit
-        invalid, found = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK
+        # Each payload carries a key where it is meant to be refused for its shape: a Lookup
+        # without one is refused all the same ("keys is empty").
+        invalid, served = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK
         cases = {
             "keys as a varint": (session + _field(2, 0, b"\x05"), invalid),
             "lease_ms past uint32": (
                 session + key + _field(3, 0, b"\x01") + _field(4, 0, b"\xff" * 9 + b"\x01"),
                 invalid,
             ),
-            "pin length-delimited": (session + key + _field(3, 2, b"\x01"), found),
+            "pin length-delimited": (session + key + _field(3, 2, b"\x01"), served),
             "a StatsResponse": (
                 session + pb.StatsResponse(version="x").SerializeToString(),
                 invalid,
             ),
-            "groups past the recursion limit": (session + _field(99, 3) * 20_000, invalid),
+            "groups past the recursion limit": (
+                session + key + _field(99, 3) * 20_000 + _field(99, 4) * 20_000,
+                invalid,
+            ),
             "a group left open": (session + key + _field(99, 3), invalid),
-            "an end-group of another field": (session + _field(99, 3) + _field(98, 4), invalid),
-            "unknown fields 500 deep": (session + key + nested, found),
-            "exactly the size limit": (at_limit, found),
+            "an end-group of another field": (
+                session + key + _field(99, 3) + _field(98, 4),
+                invalid,
+            ),
+            "unknown fields 500 deep": (session + key + nested, served),
+            "exactly the size limit": (at_limit, served),
             "one byte past it": (at_limit + b"\x00", grpc.StatusCode.RESOURCE_EXHAUSTED),
         }
         lookup = channel.unary_unary("/kvtier.v1.KVTier/Lookup")
