@@ -63,13 +63,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvtier.client.errors import KvtierError, unclean
+from kvtier.client.errors import InvalidArgumentError, KvtierError, unclean
 from kvtier.client.flows import PoolBinding
 from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
-from kvtier.client.types import MAX_SECONDS, Tier, int_field_range
+from kvtier.client.types import MAX_SECONDS, Tier, checked_int, int_field_range
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -268,10 +268,14 @@ class KVTierPrefixCache:
             )
         if staging_tokens < block_tokens:
             raise ValueError("staging_tokens must hold at least one block")
-        # A pinning Lookup's lease_ms: a value it does not hold was refused at every load.
+        # A pinning Lookup's lease_ms: a value it does not hold (True, 1.5 or one out of its
+        # range) was refused at every load.
+        lease_ms = checked_int(lease_ms, "lease_ms")
         high = int_field_range(pb.LookupRequest, "lease_ms")[1]
         if not 0 <= lease_ms <= high:
-            raise ValueError(f"lease_ms must be from 0 to {high} ms (the lease_ms of a Lookup)")
+            raise InvalidArgumentError(
+                f"lease_ms: must be from 0 to {high} ms (the lease_ms of a Lookup)"
+            )
         self.model = model
         self.client = client
         self.block_tokens = block_tokens

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kvtier.client.errors import InvalidArgumentError
 from kvtier.client.integrations.sglang_config import StorageOptions
 from kvtier.client.integrations.transformers import KVTierPrefixCache
 from kvtier.client.integrations.vllm_config import ConnectorConfig
@@ -214,5 +215,24 @@ def test_regression_the_transformers_lease_past_the_wire_was_refused_at_each_loa
     """KVTierPrefixCache's lease_ms was not checked: one a Lookup's lease_ms does not hold
     was refused at every load (each a miss, counted as a failure). Refused at construction,
     naming the option and its range."""
-    with pytest.raises(ValueError, match=rf"^lease_ms must be from 0 to {WIRE_MS} ms "):
+    with pytest.raises(InvalidArgumentError, match=rf"^lease_ms: must be from 0 to {WIRE_MS} ms "):
         KVTierPrefixCache(None, None, lease_ms=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("lease_ms", "message"),
+    [
+        (True, r"^lease_ms: expected int, not bool$"),
+        (1.5, r"^lease_ms: expected int, not float$"),
+        ("5", r"^lease_ms: expected int, not str$"),
+    ],
+)
+def test_regression_a_transformers_lease_of_the_wrong_type_was_refused_at_every_load(
+    lease_ms: object, message: str
+) -> None:
+    """``lease_ms`` was checked only against its range: True and 1.5 passed, and every
+    load's pinning Lookup was then refused (a failure the integration degrades to a
+    recompute, pausing kvtier). Refused as the vLLM connector refuses its own, when built,
+    before a client is used."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVTierPrefixCache(None, None, lease_ms=lease_ms)  # type: ignore[arg-type]
