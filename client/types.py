@@ -257,6 +257,20 @@ _HOST_PORT = re.compile(
 )
 
 
+def _tcp_addresses(target: str) -> list[re.Match[str]]:
+    """The TCP forms (``_HOST_PORT``) in a decoded target: itself, or each address of an
+    "ipv4:"/"ipv6:" list ("ipv4:10.0.0.1:80,10.0.0.2:80", which gRPC reads up to a query or
+    fragment). A list's bad port failed each call with gRPC's UNKNOWN 'Failed to create
+    channel', after its core printed a line of its own, no typed refusal as one address's."""
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme) and "," in target:
+            body = re.split("[?#]", target[len(scheme) :], maxsplit=1)[0]
+            found = (_HOST_PORT.fullmatch(scheme + one) for one in body.split(","))
+            return [tcp for tcp in found if tcp is not None]
+    tcp = _HOST_PORT.fullmatch(target)
+    return [] if tcp is None else [tcp]
+
+
 def _uri_path(text: str) -> str:
     """A URI's path as gRPC reads it: up to a query ("?") or fragment ("#"), its %XX escapes
     decoded (to the bytes they name: a socket path need not be UTF-8)."""
@@ -303,7 +317,8 @@ def checked_address(address: str) -> str:
     (digits alone were refused as a TCP port); a
     TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
     to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
-    there; written with %XX escapes too, which gRPC decodes); one not encodable as UTF-8 (a
+    there; written with %XX escapes too, which gRPC decodes; in any address of an
+    "ipv4:"/"ipv6:" list, ``_tcp_addresses``); one not encodable as UTF-8 (a
     byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
     gRPC cannot take (UnicodeEncodeError; a Unix socket path's such bytes ``resolve_address``
     writes as escapes); one holding a NUL character, which gRPC reads
@@ -329,15 +344,16 @@ def checked_address(address: str) -> str:
                 f"address {address}: an abstract Unix socket name holds at most "
                 f"{MAX_UNIX_PATH_BYTES} bytes, this one {size}"
             )
-    elif path is None and (tcp := _HOST_PORT.fullmatch(unquote(address))) is not None:
-        # Read as a number only where it may be a port: int() refuses one past 4,300 digits
-        # (Python's ValueError, untyped).
-        minus, digits = tcp.group(1) or "", tcp.group(2)
-        port = digits.lstrip("0")
-        if minus or len(port) > 5 or not 0 < int(port or "0") < 65536:
-            raise InvalidArgumentError(
-                f"address {address}: port {minus}{digits} is not a TCP port (1 to 65535)"
-            )
+    elif path is None:
+        for tcp in _tcp_addresses(unquote(address)):
+            # Read as a number only where it may be a port: int() refuses one past 4,300
+            # digits (Python's ValueError, untyped).
+            minus, digits = tcp.group(1) or "", tcp.group(2)
+            port = digits.lstrip("0")
+            if minus or len(port) > 5 or not 0 < int(port or "0") < 65536:
+                raise InvalidArgumentError(
+                    f"address {address}: port {minus}{digits} is not a TCP port (1 to 65535)"
+                )
     if path is not None:
         if not path:
             raise InvalidArgumentError(f"address {address!r} names no Unix socket path")

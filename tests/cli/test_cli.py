@@ -1520,6 +1520,39 @@ def test_regression_a_port_grpc_reads_with_a_sign_space_or_query_skipped_the_che
     assert checked_address(in_range) == in_range
 
 
+def _port_refused(
+    capsys: pytest.CaptureFixture[str], address: str, port: str, in_range: str
+) -> None:
+    """``address`` refused by every client and the CLI for its ``port``, and ``in_range``,
+    an address of the same form with a port in range, taken."""
+    from kvtier.client.types import checked_address
+
+    says = rf": port {port} is not a TCP port \(1 to 65535\)$"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and f"port {port} is not a TCP port" in err
+    assert checked_address(in_range) == in_range
+
+
+@pytest.mark.parametrize(
+    "address, port",
+    [
+        ("ipv4:127.0.0.1:1,127.0.0.1:99999", "99999"),
+        ("ipv4:127.0.0.1:99999,127.0.0.1:1", "99999"),
+        ("ipv4:127.0.0.1:1,127.0.0.1:-1", "-1"),
+        ("ipv4:127.0.0.1:1,127.0.0.1:0", "0"),
+        ("ipv6:[::1]:1,[::1]:70000", "70000"),
+        ("ipv4:127.0.0.1:1%2C127.0.0.1:99999", "99999"),
+    ],
+)
+def test_regression_a_bad_port_in_an_address_list_failed_untyped(capsys, address, port):
+    """An "ipv4:"/"ipv6:" list of addresses matched no TCP form (its commas), so its ports
+    went unchecked: gRPC refused a bad one itself, failing each call with UNKNOWN 'Failed to
+    create channel' (a bare KvtierError, the CLI's status 1) after its core printed a line
+    of its own. Refused as one address's bad port is; a list of good ones is taken."""
+    _port_refused(capsys, address, port, "ipv4:127.0.0.1:1,127.0.0.1:8080?x")
+
+
 @pytest.mark.parametrize(
     "address, port",
     [
@@ -1557,14 +1590,7 @@ def test_regression_a_percent_encoded_port_skipped_the_check(capsys, address, po
     ``localhost:9999%39`` (or ``localhost%3A99999``) connected to port 34463, 99999 modulo
     65536, but the check matched the escaped text, which is no TCP form, and took it. The
     port is read as gRPC reads it: refused, naming it decoded; one in range is taken."""
-    from kvtier.client.types import checked_address
-
-    says = rf": port {port} is not a TCP port \(1 to 65535\)$"
-    _refused_by_every_client(address, says)
-    code, _, err = run_main(capsys, "--address", address, "health")
-    assert code == 3 and f"port {port} is not a TCP port" in err
-    in_range = "localhost:808%30"
-    assert checked_address(in_range) == in_range
+    _port_refused(capsys, address, port, "localhost:808%30")
 
 
 @pytest.mark.parametrize("suffix", ["?x", "#x", "escaped"])
