@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from kvtier import paths
 from kvtier.client.errors import InvalidArgumentError
 from kvtier.client.keys import KEY_BYTES, as_int
-from kvtier.kernels.layout import PoolLayout
+from kvtier.kernels.layout import PoolLayout, shown
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPES as _DTYPES
 from kvtier.proto.wire import tier_enum
@@ -549,18 +549,6 @@ def checked_seconds(
     return seconds
 
 
-def shown(value: object) -> str:
-    """``repr(value)`` for an error's message, but for an int too long to read its sign and
-    size, and for a container holding one its type: Python refuses the repr of an int past
-    4,300 digits (ValueError), so a message naming one failed with that, untyped."""
-    if isinstance(value, int) and value.bit_length() > 1000:
-        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
-    try:
-        return repr(value)
-    except ValueError:
-        return f"a {type(value).__name__} holding an int of more than 4,300 digits"
-
-
 def shown_keys(keys: Iterable[object]) -> str:
     """``keys`` for an error's message, as a list sorted by what it shows: ``sorted`` refuses
     keys of mixed types (TypeError), and ``repr`` a list holding an int past 4,300 digits,
@@ -715,9 +703,9 @@ def build_paged_request(message: Callable[P, Paged], /, *args: P.args, **fields:
 
 
 def layout_to_pb(layout: PoolLayout) -> pb.PoolLayout:
-    if layout.dtype not in _DTYPES:
+    if not isinstance(layout.dtype, str) or layout.dtype not in _DTYPES:  # a list: unhashable
         raise InvalidArgumentError(
-            f"RegisterPool: layout: unknown dtype {layout.dtype!r}; one of {sorted(_DTYPES)}"
+            f"RegisterPool: layout: unknown dtype {shown(layout.dtype)}; one of {sorted(_DTYPES)}"
         )
     return build_request(
         pb.PoolLayout,

@@ -15,6 +15,7 @@ validate a registration and compute copy offsets). It imports no torch and no I/
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -31,6 +32,9 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }
 
 MAX_LAYERS = 4096
+# The bits of the widest integer a layout's field holds on the wire (its offsets and strides
+# are uint64): ``validate`` refuses more before its checks name a value.
+FIELD_BITS = 64
 
 
 class LayoutError(ValueError):
@@ -143,21 +147,25 @@ class PoolLayout:
         """Raise LayoutError unless every chunk of every page lies inside the region.
 
         Also rejects chunks of one layer that overlap each other: a Get into such a pool
-        would write two blocks over the same bytes.
+        would write two blocks over the same bytes; and, before it names a value, a layer
+        that is no LayerLayout, a field that is no int or one past ``FIELD_BITS`` bits
+        (``field_int``) and a dtype that is no name of ``DTYPE_ITEMSIZE``.
         """
         if not self.layers:
             raise LayoutError("layout has no layers")
         if len(self.layers) > MAX_LAYERS:
             raise LayoutError(f"layout has {len(self.layers)} layers; at most {MAX_LAYERS}")
-        if self.num_pages < 1:
+        if field_int(self.num_pages, "num_pages") < 1:
             raise LayoutError("num_pages must be at least 1")
-        if self.block_tokens < 1:
+        if field_int(self.block_tokens, "block_tokens") < 1:
             raise LayoutError("block_tokens must be at least 1")
-        itemsize = DTYPE_ITEMSIZE.get(self.dtype)
-        if itemsize is None:
-            raise LayoutError(f"unknown dtype {self.dtype!r}; one of {sorted(DTYPE_ITEMSIZE)}")
+        itemsize = dtype_itemsize(self.dtype)
         for i, layer in enumerate(self.layers):
             where = f"layer {i}"
+            if not isinstance(layer, LayerLayout):
+                raise LayoutError(f"{where}: expected LayerLayout, not {type(layer).__name__}")
+            for name in ("offset", "kv_count", "kv_stride", "page_stride", "chunk_bytes"):
+                field_int(getattr(layer, name), f"{where}: {name}")
             if layer.kv_count not in (1, 2):
                 raise LayoutError(f"{where}: kv_count must be 1 or 2, not {layer.kv_count}")
             if layer.chunk_bytes <= 0:
@@ -231,7 +239,7 @@ class PoolLayout:
         base_offset: int = 0,
     ) -> PoolLayout:
         """vLLM's per-layer ``[2, num_pages, block_tokens, num_kv_heads, head_dim]``."""
-        chunk = block_tokens * num_kv_heads * head_dim * _itemsize(dtype)
+        chunk = block_tokens * num_kv_heads * head_dim * dtype_itemsize(dtype)
         return cls._kv_layers(
             num_layers,
             num_pages,
@@ -256,7 +264,7 @@ class PoolLayout:
         base_offset: int = 0,
     ) -> PoolLayout:
         """FlashInfer's per-layer ``[num_pages, 2, block_tokens, num_kv_heads, head_dim]``."""
-        chunk = block_tokens * num_kv_heads * head_dim * _itemsize(dtype)
+        chunk = block_tokens * num_kv_heads * head_dim * dtype_itemsize(dtype)
         return cls._kv_layers(
             num_layers,
             num_pages,
@@ -321,18 +329,50 @@ class PoolLayout:
 def layer_numbers(num_layers: int) -> range:
     """``range(num_layers)``, refused past ``MAX_LAYERS`` before a layer is built: a layout
     of ``num_layers=10**5000`` built layers until memory ran out, long before ``validate``
-    could refuse the count. Every builder of a layout layer by layer counts through here
-    (also ``runs.mla_layout`` and ``staging.layer_major_layout``)."""
-    if num_layers > MAX_LAYERS:
+    could refuse the count; one that is no int (``field_int``) too. Every builder of a
+    layout layer by layer counts through here (also ``runs.mla_layout`` and
+    ``staging.layer_major_layout``)."""
+    if field_int(num_layers, "num_layers", bits=None) > MAX_LAYERS:
         raise LayoutError(f"num_layers must be at most {MAX_LAYERS}")
     return range(num_layers)
 
 
-def _itemsize(dtype: str) -> int:
+def dtype_itemsize(dtype: str) -> int:
+    """The item size of a dtype a layout may name; LayoutError otherwise, naming it as
+    ``shown`` does (a list is no key: TypeError; an int past 4,300 digits has no repr)."""
+    itemsize = DTYPE_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is None:
+        raise LayoutError(f"unknown dtype {shown(dtype)}; one of {sorted(DTYPE_ITEMSIZE)}")
+    return itemsize
+
+
+def field_int(value: object, what: str, bits: int | None = FIELD_BITS) -> int:
+    """``value`` as an integer field of a layout (``operator.index``: Python's, NumPy's, no
+    bool or float) of at most ``bits`` bits and its sign, or LayoutError naming
+    ``what``: a str or a float failed a comparison or ``range`` with a TypeError, and a
+    refusal naming an int past 4,300 digits with Python's ValueError (it has no repr)."""
     try:
-        return DTYPE_ITEMSIZE[dtype]
-    except KeyError:
-        raise LayoutError(f"unknown dtype {dtype!r}; one of {sorted(DTYPE_ITEMSIZE)}") from None
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError  # an int to operator.index
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        kind = "bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__
+        raise LayoutError(f"{what}: expected int, not {kind}") from None
+    if bits is not None and abs(number).bit_length() > bits:
+        raise LayoutError(f"{what}: {shown(number)} does not fit in {bits} bits")
+    return number
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error's message, but for an int too long to read its sign and
+    size, and for a container holding one its type: Python refuses the repr of an int past
+    4,300 digits (ValueError), so a message naming one failed with that, untyped."""
+    if isinstance(value, int) and value.bit_length() > 1000:
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+    try:
+        return repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} holding an int of more than 4,300 digits"
 
 
 def _kv_chunks_overlap(layer: LayerLayout, num_pages: int) -> bool:

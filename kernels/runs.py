@@ -272,11 +272,9 @@ def mla_layout(
 ) -> PoolLayout:
     """An MLA pool: per layer one latent ``[num_pages, block_tokens, latent_dim]`` (the
     compressed KV plus the rope part), one chunk per page (``kv_count == 1``)."""
-    from kvtier.kernels.layout import DTYPE_ITEMSIZE, LayerLayout
+    from kvtier.kernels.layout import LayerLayout, dtype_itemsize
 
-    if dtype not in DTYPE_ITEMSIZE:
-        raise LayoutError(f"unknown dtype {dtype!r}; one of {sorted(DTYPE_ITEMSIZE)}")
-    chunk = block_tokens * latent_dim * DTYPE_ITEMSIZE[dtype]
+    chunk = block_tokens * latent_dim * dtype_itemsize(dtype)
     layer_bytes = num_pages * chunk
     layers = tuple(
         LayerLayout(base_offset + i * layer_bytes, 1, 0, chunk, chunk)

@@ -184,6 +184,8 @@ CASES: list[tuple[str, Call, str]] = [
     ("register-str-namespace", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, "ns"), r"^namespace: expected Namespace, not str$"),
     ("register-namespace-other-block-size", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, Namespace(model="m", kv_dtype="uint8", block_tokens=2)), r"^namespace: block_tokens 2 is not the layout's 4: a page holds one block of the layout's tokens$"),
     ("register-layout-blocks-past-4300-digits", lambda c, p: c.register_pool(p.binding.shm, PoolLayout.staging(num_layers=2, num_pages=8, block_tokens=10**5000, chunk_bytes=64), NS), r"^namespace: block_tokens 4 is not the layout's an int of 16610 bits: a page holds "),
+    ("register-layout-dtype-past-4300-digits", lambda c, p: c.register_pool(p.binding.shm, PoolLayout(LAYOUT.layers, 8, 4, 10**5000)), r"^RegisterPool: layout: unknown dtype an int of 16610 bits; one of \['bfloat16', "),
+    ("register-layout-list-dtype", lambda c, p: c.register_pool(p.binding.shm, PoolLayout(LAYOUT.layers, 8, 4, [])), r"^RegisterPool: layout: unknown dtype \[\]; one of \['bfloat16', "),
     ("register-closed-shm", lambda c, p: c.register_pool(closed_pool(), LAYOUT), r"^shm: the pool 'closed' was closed$"),
     ("register-cuda-shm", lambda c, p: c.register_cuda_pool(p.binding.shm, LAYOUT), r"^export: expected CudaIpcExport, not SharedMemoryPool$"),
     ("store-none-pool", lambda c, p: c.store(None, TOKENS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),

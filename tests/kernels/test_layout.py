@@ -100,6 +100,72 @@ def test_validate_rejects(layout, message):
         layout.validate(1 << 20)
 
 
+HUGE = 10**5000
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: one(kv_count=HUGE).validate(1 << 20), r"^layer 0: kv_count: an int of 16610 bits"),
+        (lambda: one(chunk_bytes=HUGE).validate(1 << 20), r"^layer 0: chunk_bytes: an int of "),
+        (lambda: one(kv_stride=-HUGE).validate(1 << 20), r"^layer 0: kv_stride: a negative int "),
+        (lambda: one(chunk_bytes="64").validate(1 << 20), r"^layer 0: chunk_bytes: expected int"),
+        (lambda: one(page_stride=1.5).validate(1 << 20), r"^layer 0: page_stride: expected int"),
+        (lambda: one(offset=True).validate(1 << 20), r"^layer 0: offset: expected int, not bool"),
+        (
+            lambda: PoolLayout(((0, 1, 0, 8, 8),), 4, 1, "uint8").validate(1 << 20),  # type: ignore[arg-type]
+            r"^layer 0: expected LayerLayout, not tuple$",
+        ),
+        (
+            lambda: PoolLayout((LayerLayout(0, 1, 0, 8, 8),), HUGE, 1, "uint8").validate(1 << 20),
+            r"^num_pages: an int of 16610 bits",
+        ),
+        (
+            lambda: PoolLayout((LayerLayout(0, 1, 0, 8, 8),), 4, None, "uint8").validate(1 << 20),  # type: ignore[arg-type]
+            r"^block_tokens: expected int, not NoneType$",
+        ),
+        (
+            lambda: PoolLayout((LayerLayout(0, 1, 0, 8, 8),), 4, 1, HUGE).validate(1 << 20),  # type: ignore[arg-type]
+            r"^unknown dtype an int of 16610 bits; one of ",
+        ),
+        (
+            lambda: PoolLayout((LayerLayout(0, 1, 0, 8, 8),), 4, 1, []).validate(1 << 20),  # type: ignore[arg-type]
+            r"^unknown dtype \[\]; one of ",
+        ),
+        (
+            lambda: PoolLayout.vllm(
+                num_layers=1, num_pages=4, block_tokens=1, num_kv_heads=1, head_dim=8, dtype=HUGE
+            ),  # type: ignore[arg-type]
+            r"^unknown dtype an int of 16610 bits; one of ",
+        ),
+        (
+            lambda: PoolLayout.vllm(
+                num_layers=1, num_pages=4, block_tokens=1, num_kv_heads=1, head_dim=8, dtype={}
+            ),  # type: ignore[arg-type]
+            r"^unknown dtype \{\}; one of ",
+        ),
+        (
+            lambda: PoolLayout.staging(num_layers=2.5, num_pages=4, block_tokens=1, chunk_bytes=8),
+            r"^num_layers: expected int, not float$",
+        ),
+        (
+            lambda: PoolLayout.staging(num_layers="2", num_pages=4, block_tokens=1, chunk_bytes=8),  # type: ignore[arg-type]
+            r"^num_layers: expected int, not str$",
+        ),
+    ],
+)
+def test_regression_a_layout_of_huge_or_wrong_values_failed_with_pythons_error(make, message):
+    """A layout's value past 4,300 digits failed ``validate``'s own refusal with Python's
+    ValueError (an int it cannot print), a dtype that is no str raised TypeError (a list:
+    unhashable) or that ValueError from the refusal's repr, and a field or a layer count of
+    the wrong type raised TypeError from a comparison or ``range``: the client's checks of a
+    CUDA or SGLang pool, and every builder, raised those untyped. Each is a LayoutError (a
+    ValueError) naming the field; the wire holds no field past 64 bits, so neither may a
+    layout."""
+    with pytest.raises(LayoutError, match=message):
+        make()
+
+
 def test_kv_chunks_far_apart_do_not_overlap():
     # vLLM's K block and V block: V starts after all K pages.
     one(kv_stride=4 * 128).validate(1 << 20)
