@@ -23,9 +23,9 @@ from kvtier.client.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from kvtier.client.keys import Namespace, block_keys
+from kvtier.client.keys import Namespace, block_keys, sequence_len
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.types import PutStatus, build_request, checked_type, sequence_len, shown
+from kvtier.client.types import PutStatus, build_request, checked_type, shown
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 

@@ -52,13 +52,13 @@ from kvtier.client.errors import (
     from_rpc_error,
     refused_stream,
 )
+from kvtier.client.keys import sequence_len
 from kvtier.client.types import (
     PutStatus,
     build_request,
     checked_int,
     checked_seconds,
     checked_type,
-    sequence_len,
     shown,
 )
 from kvtier.proto import kvtier_pb2 as pb

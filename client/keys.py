@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,19 @@ def as_int(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def sequence_len(values: Sized, what: str) -> int:
+    """``len(values)``; InvalidArgumentError naming ``what`` unless ``values`` is a sequence
+    (a list, a range, an array: what the flows slice into batches), not a str or bytes."""
+    if isinstance(values, (str, bytes)) or not hasattr(type(values), "__getitem__"):
+        raise InvalidArgumentError(f"{what}: expected a sequence, not {type(values).__name__}")
+    try:
+        return len(values)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what}: expected a sequence, not {type(values).__name__}"
+        ) from None
 
 
 # The namespace's fields as its seed hashes them: ``str(s)`` and ``u32(x)``.
@@ -174,8 +187,9 @@ def block_keys(
             f"token_ids: token ids must be one-dimensional, not of shape {tokens.shape}"
         )
     nblocks = len(tokens) // n
-    if extras is not None and len(extras) < nblocks:
-        raise InvalidArgumentError(f"extras: {len(extras)} entries for {nblocks} blocks")
+    # A sequence, read by index: len() of a generator (a set, an int) raised TypeError.
+    if extras is not None and (count := sequence_len(extras, "extras")) < nblocks:
+        raise InvalidArgumentError(f"extras: {count} entries for {nblocks} blocks")
     # Checked and converted once (the refusal names "token_ids"), each block hashing its slice.
     ids = _token_bytes(tokens[: nblocks * n], "token_ids")
     step = 4 * n

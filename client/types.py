@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import unquote
@@ -676,19 +676,6 @@ def _protobuf_text(error: Exception) -> str:
     if first.isalpha() and first not in ("None", "True", "False"):
         return text[:1].lower() + text[1:]
     return text
-
-
-def sequence_len(values: Sized, what: str) -> int:
-    """``len(values)``; InvalidArgumentError naming ``what`` unless ``values`` is a sequence
-    (a list, a range, an array: what the flows slice into batches), not a str or bytes."""
-    if isinstance(values, (str, bytes)) or not hasattr(type(values), "__getitem__"):
-        raise InvalidArgumentError(f"{what}: expected a sequence, not {type(values).__name__}")
-    try:
-        return len(values)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{what}: expected a sequence, not {type(values).__name__}"
-        ) from None
 
 
 def build_paged_request(message: Callable[P, Paged], /, *args: P.args, **fields: P.kwargs) -> Paged:

@@ -146,6 +146,25 @@ def test_regression_bad_block_key_arguments_raised_untyped_errors(call, says):
     assert isinstance(refused.value, ValueError)
 
 
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (
+            lambda: block_keys(LLAMA, list(range(8)), (x for x in [b"", b""])),
+            r"^extras: expected a sequence, not generator$",
+        ),
+        (lambda: block_keys(LLAMA, list(range(8)), {b"", b"a"}), r"^extras: expected a seq"),
+        (lambda: block_keys(LLAMA, list(range(4)), 5), r"^extras: expected a sequence, not int$"),
+        (lambda: block_keys(LLAMA, list(range(4)), b"ab"), r"^extras: expected a sequence, not b"),
+    ],
+)
+def test_regression_extras_that_were_no_sequence_raised_type_error(call, says):
+    """``len(extras)`` of a generator (or a set, an int) raised Python's TypeError, naming no
+    argument: refused as every other bad argument of ``block_keys`` is."""
+    with pytest.raises(InvalidArgumentError, match=says):
+        call()
+
+
 def test_bad_namespaces_are_refused():
     with pytest.raises(ValueError):
         Namespace(model="", kv_dtype="float16", block_tokens=4)
