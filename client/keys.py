@@ -148,13 +148,35 @@ class Namespace:
 
 
 def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
-    """The key of one block from its parent key (or the seed) and its token ids. A bad
-    argument is InvalidArgumentError naming it (also a ValueError)."""
-    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
-        raise InvalidArgumentError(f"parent: a key of {KEY_BYTES} bytes, not {_shown(parent)}")
-    if not isinstance(extra, bytes):
-        raise InvalidArgumentError(f"extra: expected bytes, not {type(extra).__name__}")
-    return _chained(parent, _token_bytes(tokens, "tokens"), extra)
+    """The key of one block from its parent key (or the seed) and its token ids; ``parent``
+    and ``extra`` are bytes, a bytearray or a memoryview (``_bytes_of``). A bad argument is
+    InvalidArgumentError naming it (also a ValueError)."""
+    key = _bytes_of(parent)
+    if key is None or len(key) != KEY_BYTES:
+        got = type(parent).__name__ if key is None else f"{len(key)} bytes"
+        raise InvalidArgumentError(f"parent: a key of {KEY_BYTES} bytes, not {got}")
+    return _chained(key, _token_bytes(tokens, "tokens"), _checked_extra(extra, "extra"))
+
+
+def _bytes_of(value: object) -> bytes | None:
+    """The bytes of ``value`` if it is bytes, a bytearray or a memoryview (of any format or
+    shape: the bytes it holds, in C order), else None. ``parent`` and ``extra`` are
+    annotated ``bytes``, which a type checker takes either for, and the README's spec
+    speaks of bytes: a bytearray or a memoryview was refused at run time."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    return None
+
+
+def _checked_extra(value: object, what: str) -> bytes:
+    """A block's extra bytes (``_bytes_of``), or InvalidArgumentError naming ``what``."""
+    if (extra := _bytes_of(value)) is None:
+        raise InvalidArgumentError(
+            f"{what}: expected bytes, a bytearray or a memoryview, not {type(value).__name__}"
+        )
+    return extra
 
 
 def _chained(parent: bytes, ids: bytes, extra: bytes) -> bytes:
@@ -174,8 +196,10 @@ def block_keys(
     token_ids: Sequence[int] | np.ndarray,
     extras: Sequence[bytes] | None = None,
 ) -> list[bytes]:
-    """Keys of every full block of ``token_ids``, chained from the namespace seed. A bad
-    argument is InvalidArgumentError naming it (also a ValueError, which these raised)."""
+    """Keys of every full block of ``token_ids``, chained from the namespace seed;
+    ``extras``, if given, a sequence of at least one extra per full block, each bytes, a
+    bytearray or a memoryview (``_bytes_of``). A bad argument is InvalidArgumentError naming
+    it (also a ValueError, which these raised)."""
     if not isinstance(namespace, Namespace):
         raise InvalidArgumentError(
             f"namespace: expected a Namespace, not {type(namespace).__name__}"
@@ -196,9 +220,7 @@ def block_keys(
     key = namespace.seed()
     keys = []
     for i in range(nblocks):
-        extra = extras[i] if extras is not None else b""
-        if not isinstance(extra, bytes):
-            raise InvalidArgumentError(f"extras[{i}]: expected bytes, not {type(extra).__name__}")
+        extra = _checked_extra(extras[i], f"extras[{i}]") if extras is not None else b""
         key = _chained(key, ids[i * step : (i + 1) * step], extra)
         keys.append(key)
     return keys
@@ -219,10 +241,3 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray, name: str) -> bytes:
     if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
         raise InvalidArgumentError(f"{name}: token ids must lie in [0, 2**32)")
     return arr.astype("<u4").tobytes()
-
-
-def _shown(value: object) -> str:
-    """What a bad key argument was, briefly."""
-    if isinstance(value, bytes):
-        return f"{len(value)} bytes"
-    return type(value).__name__

@@ -128,12 +128,12 @@ def test_bad_tokens_are_refused(tokens):
             r"^token_ids: token ids must be one-dimensional",
         ),
         (lambda: block_keys(LLAMA, list(range(8)), [b""]), r"^extras: 1 entries for 2 blocks"),
-        (lambda: block_keys(LLAMA, list(range(4)), ["x"]), r"^extras\[0\]: expected bytes"),
+        (lambda: block_keys(LLAMA, list(range(4)), ["x"]), r"^extras\[0\]: expected bytes, a by"),
         (lambda: block_keys("m", list(range(4))), r"^namespace: expected a Namespace"),
         (lambda: block_key(b"x", [0, 1, 2, 3]), r"^parent: a key of 32 bytes, not 1 bytes"),
         (lambda: block_key(7, [0, 1, 2, 3]), r"^parent: a key of 32 bytes, not int"),
         (lambda: block_key(LLAMA.seed(), [2**32]), r"^tokens: token ids must lie in"),
-        (lambda: block_key(LLAMA.seed(), [0], "x"), r"^extra: expected bytes, not str"),
+        (lambda: block_key(LLAMA.seed(), [0], "x"), r"^extra: expected bytes, a bytearray or a"),
     ],
 )
 def test_regression_bad_block_key_arguments_raised_untyped_errors(call, says):
@@ -156,6 +156,9 @@ def test_regression_bad_block_key_arguments_raised_untyped_errors(call, says):
         (lambda: block_keys(LLAMA, list(range(8)), {b"", b"a"}), r"^extras: expected a seq"),
         (lambda: block_keys(LLAMA, list(range(4)), 5), r"^extras: expected a sequence, not int$"),
         (lambda: block_keys(LLAMA, list(range(4)), b"ab"), r"^extras: expected a sequence, not b"),
+        (lambda: block_keys(LLAMA, list(range(4)), [7]), r"^extras\[0\]: expected bytes, a by"),
+        (lambda: block_key(bytearray(3), [0]), r"^parent: a key of 32 bytes, not 3 bytes$"),
+        (lambda: block_key(LLAMA.seed(), [0], 7), r"^extra: expected bytes, a bytearray or a m"),
     ],
 )
 def test_regression_extras_that_were_no_sequence_raised_type_error(call, says):
@@ -163,6 +166,22 @@ def test_regression_extras_that_were_no_sequence_raised_type_error(call, says):
     argument: refused as every other bad argument of ``block_keys`` is."""
     with pytest.raises(InvalidArgumentError, match=says):
         call()
+
+
+def test_regression_a_bytearray_or_memoryview_parent_or_extra_was_refused():
+    """``parent`` and ``extra`` are "bytes" (their annotations; the README's spec: "the
+    block's extra bytes"), and a type checker takes a bytearray or a memoryview for them, but
+    both were refused at run time ("expected bytes, not bytearray"). The key is of the bytes
+    they hold, as for the same ``bytes``."""
+    tokens = list(range(8))
+    extras = [b"img:1", b"img:2"]
+    keys = block_keys(LLAMA, tokens, extras)
+    assert block_keys(LLAMA, tokens, [bytearray(extras[0]), memoryview(extras[1])]) == keys
+    assert block_key(bytearray(keys[0]), tokens[4:], memoryview(bytearray(extras[1]))) == keys[1]
+    assert block_key(memoryview(keys[0]), tokens[4:], bytearray(extras[1])) == keys[1]
+    # A memoryview of another format or shape: its bytes, as hashlib reads it.
+    wide = np.frombuffer(keys[0], dtype=np.uint64)
+    assert block_key(memoryview(wide), tokens[4:], extras[1]) == keys[1]
 
 
 def test_bad_namespaces_are_refused():
