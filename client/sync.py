@@ -155,12 +155,15 @@ def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] 
     """A tenant token given as such, or read from a file (surrounding whitespace dropped).
     A file that cannot be read, or holds no token, is a typed error naming it at
     construction: PermissionDeniedError when this user may not read it, InvalidArgumentError
-    otherwise (a bare OSError escaped, and an empty file opened a session with no token)."""
+    otherwise (a bare OSError escaped, and an empty file opened a session with no token);
+    a path holding a NUL and a str token that is no UTF-8 too (Python's own errors)."""
     if token is not None and token_file is not None:
         raise InvalidArgumentError("give token or token_file, not both")
     if token_file is not None:
         # Not an int: open() takes one as a descriptor and would read whatever it is.
         t.checked_type(token_file, (str, os.PathLike), "token_file")
+        if "\0" in os.fspath(token_file):  # open() refused it with a ValueError of its own
+            raise InvalidArgumentError(f"token_file {token_file!r}: holds a NUL character")
         try:
             with open(token_file, "rb") as f:
                 token = f.read(4096).strip()
@@ -179,7 +182,12 @@ def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] 
         return b""
     # Checked now: an int failed only at the first session, inside the credential exchange.
     t.checked_type(token, (bytes, str), "token")
-    return token.encode() if isinstance(token, str) else token
+    if isinstance(token, bytes):
+        return token
+    try:
+        return token.encode()
+    except UnicodeEncodeError as e:  # a lone surrogate: a byte that was not UTF-8
+        raise InvalidArgumentError(f"token: not encodable as UTF-8 ({e.reason})") from None
 
 
 class SessionToken:

@@ -452,6 +452,20 @@ def test_a_token_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path, c
         client_type("unix:/nonexistent.sock", token_file=str(empty))
 
 
+@pytest.mark.parametrize("client_type", [Client, AsyncClient])
+def test_regression_a_token_not_utf8_or_a_token_file_with_a_nul_raised_pythons_error(client_type):
+    """A str token with a lone surrogate (from a byte that is not UTF-8 in an argument or an
+    environment variable) raised UnicodeEncodeError from the constructor, and a token_file
+    path holding a NUL character open()'s ValueError ("embedded null byte"): neither a
+    KvtierError naming the argument."""
+    with pytest.raises(InvalidArgumentError, match=r"^token: not encodable as UTF-8 \("):
+        client_type("unix:/nonexistent.sock", token="t\udcff")
+    with pytest.raises(
+        InvalidArgumentError, match=r"^token_file 'a\\x00b': holds a NUL character$"
+    ):
+        client_type("unix:/nonexistent.sock", token_file="a\0b")
+
+
 def test_a_token_file_this_user_may_not_read_is_permission_denied(tmp_path):
     """Open raised a bare PermissionError (an OSError, no KvtierError) from the constructor."""
     secret = tmp_path / "secret.token"
