@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.client.errors import InvalidArgumentError
+from kvtier.client.types import checked_int, checked_type, shown
 from kvtier.kernels.layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 DEFAULT_SHM_DIR = "/dev/shm"
 BACKINGS = ("memfd", "shm")
+# The largest file size ftruncate takes (an off_t): a larger size raised OverflowError.
+MAX_SIZE_BYTES = 2**63 - 1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -46,8 +49,10 @@ class SharedMemoryPool:
 
     ``backing`` is ``"memfd"`` (the default unless a ``name`` is given) or ``"shm"``; ``name``
     is the /dev/shm object's name (random if None) or the memfd's label. ``seal=False``
-    leaves a memfd resizable. The memory lives until every mapping (the daemon's included) is
-    gone. Once ``close()`` ran, ``array()``, ``tensor()`` and registering the pool (again,
+    leaves a memfd resizable. An argument of the wrong type or out of range is
+    ``InvalidArgumentError`` (a ValueError) naming it. The memory lives until every mapping
+    (the daemon's included) is gone. Once ``close()`` ran, ``array()``, ``tensor()`` and
+    registering the pool (again,
     after a daemon restart, too) raise ``InvalidArgumentError`` (a ValueError) naming the
     pool, even where earlier views keep the mapping alive; pages already registered stay
     the daemon's to copy until the pool is unregistered. Thread-safety: the memory may be
@@ -66,11 +71,31 @@ class SharedMemoryPool:
         backing: str | None = None,
         seal: bool = True,
     ) -> None:
-        if size_bytes <= 0:
-            raise ValueError("size_bytes must be positive")
+        size_bytes = checked_int(size_bytes, "size_bytes", minimum=1)
+        if size_bytes > MAX_SIZE_BYTES:
+            raise InvalidArgumentError(
+                f"size_bytes: {shown(size_bytes)} is more than a memory file holds "
+                f"({MAX_SIZE_BYTES} bytes)"
+            )
+        if name is not None:
+            checked_type(name, str, "name")
+            if "\0" in name:
+                raise InvalidArgumentError(f"name: {name!r} holds a NUL character")
+        if backing is not None and (not isinstance(backing, str) or backing not in BACKINGS):
+            raise InvalidArgumentError(f"backing: must be one of {BACKINGS}, not {shown(backing)}")
+        if not isinstance(seal, (bool, np.bool_)):
+            raise InvalidArgumentError(f"seal: expected bool, not {type(seal).__name__}")
+        if not 0 <= (mode := checked_int(mode, "mode")) <= 0o7777:
+            raise InvalidArgumentError(
+                f"mode: must be a file mode, 0 to 0o7777 (got {shown(mode)})"
+            )
         backing = backing or ("shm" if name else "memfd")
-        if backing not in BACKINGS:
-            raise ValueError(f"backing must be one of {BACKINGS}, not {backing!r}")
+        if backing == "shm":
+            checked_type(shm_dir, (str, os.PathLike), "shm_dir")
+            if name is not None and "/" in name:
+                raise InvalidArgumentError(
+                    f"name: {name!r} holds a '/': a shared-memory object's name is one file name"
+                )
         self.backing = backing
         self.name = name or f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
         self.size_bytes = size_bytes

@@ -466,6 +466,50 @@ def test_regression_a_token_not_utf8_or_a_token_file_with_a_nul_raised_pythons_e
         client_type("unix:/nonexistent.sock", token_file="a\0b")
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"size_bytes": 1.5}, r"^size_bytes: expected int, not float$"),
+        ({"size_bytes": float("nan")}, r"^size_bytes: expected int, not float$"),
+        ({"size_bytes": "4096"}, r"^size_bytes: expected int, not str$"),
+        ({"size_bytes": None}, r"^size_bytes: expected int, not NoneType$"),
+        ({"size_bytes": True}, r"^size_bytes: expected int, not bool$"),
+        ({"size_bytes": np.zeros((2, 2))}, r"^size_bytes: expected int, not ndarray$"),
+        ({"size_bytes": -1}, r"^size_bytes: must be at least 1 \(got -1\)$"),
+        (
+            {"size_bytes": 10**5000},
+            r"^size_bytes: an int of 16610 bits is more than a memory file ",
+        ),
+        ({"name": 7}, r"^name: expected str, not int$"),
+        ({"name": b"x"}, r"^name: expected str, not bytes$"),
+        ({"name": "a\0b"}, r"^name: 'a\\x00b' holds a NUL character$"),
+        ({"name": "a/b", "backing": "shm"}, r"^name: 'a/b' holds a '/'"),
+        (
+            {"backing": 10**5000},
+            r"^backing: must be one of \('memfd', 'shm'\), not an int of 16610",
+        ),
+        ({"backing": np.zeros((2, 2))}, r"^backing: must be one of \('memfd', 'shm'\), not array"),
+        ({"seal": np.zeros((2, 2))}, r"^seal: expected bool, not ndarray$"),
+        ({"mode": 1.5}, r"^mode: expected int, not float$"),
+        (
+            {"mode": 10**30},
+            r"^mode: must be a file mode, 0 to 0o7777 \(got 1000000000000000000000000000000\)$",
+        ),
+        ({"shm_dir": 3, "backing": "shm"}, r"^shm_dir: expected str or PathLike, not int$"),
+    ],
+)
+def test_regression_a_shared_memory_pools_bad_arguments_raised_pythons_errors(kwargs, message):
+    """``SharedMemoryPool``'s arguments went unchecked to ``os`` and ``mmap``: a float or NaN
+    size raised TypeError, one past a C long OverflowError, a name that is no str
+    TypeError from os.path.join, one with a NUL ValueError ("embedded null byte"), a
+    backing of an int past 4,300 digits the ValueError of its own refusal's repr, an
+    array as backing or seal numpy's "truth value ... is ambiguous"; a negative size or
+    a wrong backing was a plain ValueError. Each is InvalidArgumentError naming it."""
+    kwargs = {"size_bytes": 4096, **kwargs}
+    with pytest.raises(InvalidArgumentError, match=message):
+        SharedMemoryPool(**kwargs).close()
+
+
 def test_a_token_file_this_user_may_not_read_is_permission_denied(tmp_path):
     """Open raised a bare PermissionError (an OSError, no KvtierError) from the constructor."""
     secret = tmp_path / "secret.token"
