@@ -129,7 +129,11 @@ class StorageOptions:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageOptions:
-        raw = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
+        raw: Any = {} if extra is None else extra
+        if isinstance(raw, Mapping):
+            raw = {k: v for k, v in raw.items() if k not in SGLANG_KEYS}
+        # Anything else (JSON parses a list or a number too) is refused there, naming it: its
+        # items() raised AttributeError, and an empty one passed as no config.
         options: StorageOptions = _parse(cls, raw, "kvtier HiCache storage: extra config")
         options._check()
         return options

@@ -164,6 +164,11 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        if extra is not None and not isinstance(extra, Mapping):
+            # dict() of it raised TypeError (or took a list of pairs); an empty one passed.
+            raise ValueError(
+                f"kvtier connector: kv_connector_extra_config must be a dict, not {shown(extra)}"
+            )
         extra = dict(extra or {})
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(extra) - set(names)

@@ -236,3 +236,18 @@ def test_regression_a_transformers_lease_of_the_wrong_type_was_refused_at_every_
     before a client is used."""
     with pytest.raises(InvalidArgumentError, match=message):
         KVTierPrefixCache(None, None, lease_ms=lease_ms)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize(
+    "extra", [[["address", "x"]], ["lookup_timeout_s"], 5, "address", b"x", [], 0, ""]
+)
+def test_regression_an_extra_config_that_is_no_dict_raised_pythons_error(
+    connector: str, extra: object
+) -> None:
+    """An extra config that is no dict (SGLang's is JSON from its command line: a list or a
+    number parses too) raised Python's TypeError (vLLM: ``dict()`` of it) or AttributeError
+    (SGLang: its ``items``), naming nothing, or, when empty, was taken as no config: refused
+    as every other bad option, naming what was given."""
+    with pytest.raises(ValueError, match=r" must be a dict, not "):
+        CONNECTORS[connector](extra)  # type: ignore[operator]
