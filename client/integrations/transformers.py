@@ -53,11 +53,11 @@ import hashlib
 import inspect
 import json
 import logging
-import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -69,7 +69,14 @@ from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
-from kvtier.client.types import MAX_SECONDS, Tier, checked_int, int_field_range
+from kvtier.client.types import (
+    MAX_SECONDS,
+    Tier,
+    checked_int,
+    checked_type,
+    int_field_range,
+    shown,
+)
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -260,14 +267,28 @@ class KVTierPrefixCache:
         lease_ms: int = 0,
         retry_after_s: float = 5.0,
     ) -> None:
-        if block_tokens < 1:
-            raise ValueError("block_tokens must be at least 1")
+        # Each checked before it is compared: a str or None raised TypeError from "<", a NaN
+        # or infinite staging_tokens a ValueError or OverflowError from rounding it up.
+        block_tokens = checked_int(block_tokens, "block_tokens", minimum=1)
+        staging_tokens = checked_int(staging_tokens, "staging_tokens")
+        seconds: object = retry_after_s  # typeshed has no float as a Real: mypy took none
+        if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, Real):
+            raise InvalidArgumentError(
+                f"retry_after_s: expected a number of seconds, not {shown(retry_after_s)}"
+            )
         if not 0 < retry_after_s <= MAX_SECONDS:
             raise ValueError(
                 f"retry_after_s must be positive and finite (at most {MAX_SECONDS:g} s)"
             )
         if staging_tokens < block_tokens:
             raise ValueError("staging_tokens must hold at least one block")
+        high = int_field_range(pb.PoolLayout, "num_pages")[1] * block_tokens
+        if staging_tokens > high:  # whole pages, as many as a layout holds
+            raise InvalidArgumentError(
+                f"staging_tokens: must hold at most {high} tokens ({shown(staging_tokens)})"
+            )
+        for name, text in (("model_id", model_id), ("revision", revision), ("tenant", tenant)):
+            checked_type(text, str, name)  # a model_id of 0 or None took the model's type
         # A pinning Lookup's lease_ms: a value it does not hold (True, 1.5 or one out of its
         # range) was refused at every load.
         lease_ms = checked_int(lease_ms, "lease_ms")
@@ -288,7 +309,7 @@ class KVTierPrefixCache:
             model, block_tokens, model_id=model_id, revision=revision, tenant=tenant
         )
         g = self.geometry
-        self.num_pages = math.ceil(staging_tokens / block_tokens)
+        self.num_pages = -(-staging_tokens // block_tokens)  # in ints: no float overflow
         self.layout = PoolLayout.staging(
             num_layers=g.num_layers,
             num_pages=self.num_pages,

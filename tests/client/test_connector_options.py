@@ -251,3 +251,36 @@ def test_regression_an_extra_config_that_is_no_dict_raised_pythons_error(
     as every other bad option, naming what was given."""
     with pytest.raises(ValueError, match=r" must be a dict, not "):
         CONNECTORS[connector](extra)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_tokens": "16"}, r"^block_tokens: expected int, not str$"),
+        ({"block_tokens": None}, r"^block_tokens: expected int, not NoneType$"),
+        ({"block_tokens": 16.0}, r"^block_tokens: expected int, not float$"),
+        ({"block_tokens": True}, r"^block_tokens: expected int, not bool$"),
+        ({"block_tokens": 0}, r"^block_tokens: must be at least 1 \(got 0\)$"),
+        ({"staging_tokens": math.nan}, r"^staging_tokens: expected int, not float$"),
+        ({"staging_tokens": math.inf}, r"^staging_tokens: expected int, not float$"),
+        ({"staging_tokens": 10**5000}, r"^staging_tokens: must hold at most "),
+        ({"staging_tokens": "4096"}, r"^staging_tokens: expected int, not str$"),
+        ({"retry_after_s": "5"}, r"^retry_after_s: expected a number of seconds, not '5'$"),
+        ({"retry_after_s": None}, r"^retry_after_s: expected a number of seconds, not None$"),
+        ({"retry_after_s": True}, r"^retry_after_s: expected a number of seconds, not True$"),
+        ({"model_id": 0}, r"^model_id: expected str, not int$"),
+        ({"revision": None}, r"^revision: expected str, not NoneType$"),
+        ({"tenant": b"t"}, r"^tenant: expected str, not bytes$"),
+    ],
+)
+def test_regression_the_transformers_integrations_arguments_of_the_wrong_type_failed_untyped(
+    kwargs: dict[str, object], message: str
+) -> None:
+    """KVTierPrefixCache compared its sizes and retry_after_s unchecked: a str or None raised
+    TypeError from "<", a NaN or infinite staging_tokens ValueError or OverflowError from
+    math.ceil, one past 4,300 digits OverflowError from its division; a bool retry_after_s
+    was taken as 1 s, and a model_id that is no str (0, None) silently replaced by the
+    model's type. Each is InvalidArgumentError naming it, before the model or the client is
+    used."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVTierPrefixCache(None, None, **kwargs)  # type: ignore[arg-type]
