@@ -42,7 +42,12 @@ def encode_request(service: str) -> bytes:
     """A HealthCheckRequest: field 1 (length-delimited) unless empty (proto3 default)."""
     if not isinstance(service, str):
         raise InvalidArgumentError(f"Health: service: expected str, not {type(service).__name__}")
-    raw = service.encode()
+    try:
+        raw = service.encode()
+    except UnicodeEncodeError as e:  # a lone surrogate: protobuf refuses it in any str field
+        raise InvalidArgumentError(
+            f"Health: service: not encodable as UTF-8 ({e.reason})"
+        ) from None
     return b"\x0a" + _varint(len(raw)) + raw if raw else b""
 
 

@@ -105,6 +105,7 @@ CASES: list[tuple[str, Call, str]] = [
     ("quarantine-negative-slot", lambda c, p: c.quarantine(release=True, slots=[-1]), r"^Quarantine: slots: value out of range: -1 \(a uint64: 0 to 18446744073709551615\)$"),
     ("quarantine-nan-timeout", lambda c, p: c.quarantine(timeout_s=float("nan")), r"^Quarantine: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("health-int-service", lambda c, p: c.health(5), r"^Health: service: expected str, not int$"),
+    ("health-service-not-utf8", lambda c, p: c.health("s\udcff"), r"^Health: service: not encodable as UTF-8 \(surrogates not allowed\)$"),
     # None is no "unset": protobuf took it as the field's default (lease 0, pool 0, no pin)
     ("release-none-lease", lambda c, p: c.release(None), r"^Release: lease_id: expected int, not NoneType$"),
     ("put-none-pool", lambda c, p: c.put(None, [KEY], [0]), r"^Put: pool_id: expected int, not NoneType$"),
