@@ -245,13 +245,14 @@ MAX_UNIX_PATH_BYTES = 107
 
 
 # "host:port", "[v6]:port", "dns:[//authority/]host:port" and one "ipv4:"/"ipv6:" address:
-# the TCP forms whose port is checked (gRPC's other target forms are left to gRPC). The port
+# the TCP forms whose port is checked (gRPC's other target forms are left to gRPC), the scheme
+# in any case, as gRPC reads it ("DNS:localhost:99999" went to port 34463 unchecked). The port
 # as gRPC reads it: spaces around it skipped, a sign before it (group 1: "-" or none; a
 # negative one it takes modulo 65536 too), a query or fragment after it dropped (each of
 # those left the port unchecked, and gRPC took it modulo 65536). Matched against the address
 # with its %XX escapes decoded, as gRPC reads a target as a URI and decodes them first.
 _HOST_PORT = re.compile(
-    r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):"
+    r"(?i:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):"
     r"\s*(?:\+|(-))?([0-9]+)\s*(?:[?#].*)?",
     re.DOTALL,
 )
@@ -263,7 +264,7 @@ def _tcp_addresses(target: str) -> list[re.Match[str]]:
     fragment). A list's bad port failed each call with gRPC's UNKNOWN 'Failed to create
     channel', after its core printed a line of its own, no typed refusal as one address's."""
     for scheme in ("ipv4:", "ipv6:"):
-        if target.startswith(scheme) and "," in target:
+        if target[: len(scheme)].lower() == scheme and "," in target:  # "IPV4:" too
             body = re.split("[?#]", target[len(scheme) :], maxsplit=1)[0]
             found = (_HOST_PORT.fullmatch(scheme + one) for one in body.split(","))
             return [tcp for tcp in found if tcp is not None]

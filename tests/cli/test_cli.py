@@ -1556,6 +1556,25 @@ def test_regression_a_bad_port_in_an_address_list_failed_untyped(capsys, address
 @pytest.mark.parametrize(
     "address, port",
     [
+        ("DNS:localhost:99999", "99999"),
+        ("Dns:///localhost:65536", "65536"),
+        ("IPV4:127.0.0.1:70000", "70000"),
+        ("IPV4:127.0.0.1:1,127.0.0.1:99999", "99999"),
+        ("Ipv6:[::1]:1,[::1]:-1", "-1"),
+    ],
+)
+def test_regression_a_scheme_in_capitals_skipped_the_port_check(capsys, address, port):
+    """gRPC reads a target's scheme in any case ("DNS:", "IPV4:"), but the port check matched
+    only "dns:", "ipv4:" and "ipv6:": ``DNS:localhost:99999`` connected to port 34463 (99999
+    modulo 65536) and sent a tenant's token there, and an "IPV4:" list with a bad port failed
+    each call with UNKNOWN 'Failed to create channel'. Refused as in lower case; one in range
+    is taken."""
+    _port_refused(capsys, address, port, "DNS:///localhost:8080")
+
+
+@pytest.mark.parametrize(
+    "address, port",
+    [
         ("localhost:-1", "-1"),
         ("localhost: -31073", "-31073"),
         ("127.0.0.1:-0", "-0"),
