@@ -162,7 +162,8 @@ def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] 
     if token_file is not None:
         # Not an int: open() takes one as a descriptor and would read whatever it is.
         t.checked_type(token_file, (str, os.PathLike), "token_file")
-        if "\0" in os.fspath(token_file):  # open() refused it with a ValueError of its own
+        # open() refused it with a ValueError of its own; a path-like's path may be bytes.
+        if b"\0" in os.fsencode(token_file):
             raise InvalidArgumentError(f"token_file {token_file!r}: holds a NUL character")
         try:
             with open(token_file, "rb") as f:

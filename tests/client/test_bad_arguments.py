@@ -11,6 +11,7 @@ and then that the same client still works.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import re
@@ -465,6 +466,34 @@ def test_regression_a_token_not_utf8_or_a_token_file_with_a_nul_raised_pythons_e
         InvalidArgumentError, match=r"^token_file 'a\\x00b': holds a NUL character$"
     ):
         client_type("unix:/nonexistent.sock", token_file="a\0b")
+
+
+class _BytesPath:
+    """A path-like object whose path is bytes, as ``os.scandir(b"dir")``'s entries are."""
+
+    def __init__(self, path: bytes) -> None:
+        self.path = path
+
+    def __fspath__(self) -> bytes:
+        return self.path
+
+
+@pytest.mark.parametrize("client_type", [Client, AsyncClient])
+def test_regression_a_token_file_whose_path_is_bytes_raised_typeerror(tmp_path, client_type):
+    """The NUL check of a token_file path looked for a str NUL in ``os.fspath`` of it, and a
+    path-like object whose path is bytes (which open() reads, as before that check) raised
+    Python's TypeError ("a bytes-like object is required") from the constructor. Its token
+    is read; one holding a NUL is refused naming it."""
+    secret = tmp_path / "tenant.token"
+    secret.write_text("t0ken\n")
+    client = client_type("unix:/nonexistent.sock", token_file=_BytesPath(os.fsencode(secret)))
+    assert client._token.value == b"t0ken"
+    if isinstance(client, Client):
+        client.close()
+    else:
+        asyncio.run(client.close())
+    with pytest.raises(InvalidArgumentError, match=r"^token_file .*: holds a NUL character$"):
+        client_type("unix:/nonexistent.sock", token_file=_BytesPath(b"a\0b"))
 
 
 @pytest.mark.parametrize(
