@@ -151,28 +151,32 @@ def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = 
     """The key of one block from its parent key (or the seed) and its token ids; ``parent``
     and ``extra`` are bytes, a bytearray or a memoryview (``_bytes_of``). A bad argument is
     InvalidArgumentError naming it (also a ValueError)."""
-    key = _bytes_of(parent)
+    key = _bytes_of(parent, "parent")
     if key is None or len(key) != KEY_BYTES:
         got = type(parent).__name__ if key is None else f"{len(key)} bytes"
         raise InvalidArgumentError(f"parent: a key of {KEY_BYTES} bytes, not {got}")
     return _chained(key, _token_bytes(tokens, "tokens"), _checked_extra(extra, "extra"))
 
 
-def _bytes_of(value: object) -> bytes | None:
+def _bytes_of(value: object, what: str) -> bytes | None:
     """The bytes of ``value`` if it is bytes, a bytearray or a memoryview (of any format or
-    shape: the bytes it holds, in C order), else None. ``parent`` and ``extra`` are
-    annotated ``bytes``, which a type checker takes either for, and the README's spec
-    speaks of bytes: a bytearray or a memoryview was refused at run time."""
+    shape: the bytes it holds, in C order), else None; a released memoryview, which holds
+    none, is InvalidArgumentError naming ``what`` (Python's ValueError otherwise). ``parent``
+    and ``extra`` are annotated ``bytes``, which a type checker takes either for, and the
+    README's spec speaks of bytes: a bytearray or a memoryview was refused at run time."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
+        try:
+            return bytes(value)
+        except ValueError:  # "operation forbidden on released memoryview object"
+            raise InvalidArgumentError(f"{what}: a released memoryview") from None
     return None
 
 
 def _checked_extra(value: object, what: str) -> bytes:
     """A block's extra bytes (``_bytes_of``), or InvalidArgumentError naming ``what``."""
-    if (extra := _bytes_of(value)) is None:
+    if (extra := _bytes_of(value, what)) is None:
         raise InvalidArgumentError(
             f"{what}: expected bytes, a bytearray or a memoryview, not {type(value).__name__}"
         )

@@ -184,6 +184,20 @@ def test_regression_a_bytearray_or_memoryview_parent_or_extra_was_refused():
     assert block_key(memoryview(wide), tokens[4:], extras[1]) == keys[1]
 
 
+def test_regression_a_released_memoryview_raised_pythons_value_error():
+    """A memoryview already released (its buffer given back) was read unchecked, and
+    ``block_key`` and ``block_keys`` raised Python's ValueError ("operation forbidden on
+    released memoryview object"), naming no argument. Refused naming it."""
+    gone = memoryview(LLAMA.seed())
+    gone.release()
+    with pytest.raises(InvalidArgumentError, match=r"^parent: a released memoryview$"):
+        block_key(gone, [0])
+    with pytest.raises(InvalidArgumentError, match=r"^extra: a released memoryview$"):
+        block_key(LLAMA.seed(), [0], gone)
+    with pytest.raises(InvalidArgumentError, match=r"^extras\[1\]: a released memoryview$"):
+        block_keys(LLAMA, list(range(8)), [b"", gone])
+
+
 def test_bad_namespaces_are_refused():
     with pytest.raises(ValueError):
         Namespace(model="", kv_dtype="float16", block_tokens=4)
