@@ -63,6 +63,7 @@ from kvtier.client.types import (
     MAX_CHECK_LIST,
     MAX_CHECK_SETTLE_S,
     DrainResult,
+    Stats,
     address_hint,
     build_request,
     drain_result,
@@ -280,6 +281,8 @@ def _stats(args: argparse.Namespace) -> int:
                 {
                     "version": stats.version,
                     "address": address,
+                    "addresses": stats.addresses,
+                    "metrics_url": stats.metrics_url,
                     "uptime_s": stats.uptime_s,
                     "tiers": [
                         {
@@ -314,6 +317,8 @@ def _stats(args: argparse.Namespace) -> int:
     else:
         span = f"over the last {fig.window_s:.1f} s" if before else "since start"
     print(f"kvtierd {stats.version} at {address}, up {stats.uptime_s:.0f}s")
+    if where := _listening(stats):
+        print(where)
     print("tiers:")
     for t in fig.tiers:
         if t.capacity_bytes:
@@ -369,6 +374,15 @@ def _stats(args: argparse.Namespace) -> int:
         if not is_histogram(name):
             print(f"  {name} = {value}")
     return 0
+
+
+def _listening(stats: Stats) -> str:
+    """Where the daemon listens, as it bound them (the port it took for a port 0), and its
+    metrics endpoint; '' from a daemon that does not say."""
+    if not stats.addresses:
+        return ""
+    metrics = f" (metrics: {stats.metrics_url})" if stats.metrics_url else ""
+    return f"listening on {', '.join(stats.addresses)}{metrics}"
 
 
 def _finite(obj: object) -> object:
@@ -452,15 +466,17 @@ def _health(args: argparse.Namespace) -> int:
         client.close()
     bad = [t for t in stats.tiers if not tier_ok(t.state)]
     tiers = ", ".join(f"{t.tier.label} {t.state}" for t in stats.tiers)
+    # Before the tiers, which end the line as they end /readyz's.
+    where = f", {listening}" if (listening := _listening(stats)) else ""
     if not serving:
         # Not serving, yet it opened a session: a draining daemon opens admins' (a stopping
         # one opens none, and ends every call with UNAVAILABLE).
         code = _draining(args, client.address, tiers)
         return DEGRADED if code == HEALTHY and bad and not args.degraded_ok else code
     if bad:
-        print(f"degraded: kvtierd {stats.version} at {client.address} serving; {tiers}")
+        print(f"degraded: kvtierd {stats.version} at {client.address} serving{where}; {tiers}")
         return HEALTHY if args.degraded_ok else DEGRADED
-    print(f"ok: kvtierd {stats.version} at {client.address} serving; {tiers}")
+    print(f"ok: kvtierd {stats.version} at {client.address} serving{where}; {tiers}")
     return HEALTHY
 
 

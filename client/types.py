@@ -195,6 +195,12 @@ class Stats:
     version: str
     # The caller's tenant and the shared namespaces it uses (every tenant for an admin).
     tenants: list[TenantStats] = field(default_factory=list)
+    # Where the daemon listens, as bound: "unix:/path", "host:port" (the port it took where
+    # its config asked for port 0); none from a daemon older than this field.
+    addresses: list[str] = field(default_factory=list)
+    # Its metrics endpoint's URL; '' where it has none, for a non-admin session of a daemon
+    # with tenants, and from a daemon older than this field.
+    metrics_url: str = ""
 
     def counter(self, name: str, **labels: object) -> int:
         """A counter's value: the sum over the label values not given, e.g.
@@ -817,4 +823,6 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
             )
             for t in resp.tenants
         ],
+        addresses=list(resp.addresses),
+        metrics_url=resp.metrics_url,
     )

@@ -263,6 +263,7 @@ async def _serve(
                 token = read_token_file(config.metrics.token_file)
             metrics = MetricsServer(daemon, config.metrics.address, token)
             metrics.start()
+            daemon.service.metrics_url = metrics.url  # the port it took, for port 0
             if token is None and config.tenants:
                 # The URL it listens on: metrics.address may be a port alone, or port 0.
                 log.warning(

@@ -745,6 +745,8 @@ class KVTierServicer:
             gauges=snap.gauges,
             uptime_s=snap.uptime_s,
             version=snap.version,
+            addresses=snap.addresses,
+            metrics_url=snap.metrics_url,
             tenants=[
                 pb.TenantStats(
                     tenant=t.tenant,
@@ -917,6 +919,7 @@ class Daemon:
             # Port 0 takes a free port: announce the one gRPC took, which clients need.
             self.addresses.append(cfg.tcp_address if wanted else join_host_port(host, port))
             tcp_port = port
+        self.service.addresses = list(self.addresses)
         await self.store.open()
         await self.server.start()
         self.store.start()

@@ -152,6 +152,10 @@ class StatsSnapshot:
     uptime_s: float
     version: str
     tenants: list[TenantUsage]
+    # Where the daemon listens (``KVService.addresses``), and its metrics endpoint's URL
+    # ('' for none, or withheld: ``KVService.metrics_url``).
+    addresses: list[str]
+    metrics_url: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,11 @@ class KVService:
         )
         # The daemon's count of its gRPC connections, once it listens.
         self.connections: ConnectionWatch | None = None
+        # Where it listens, as bound (the port taken for a port 0), once it does
+        # (``Daemon.start``), and the URL of its metrics endpoint once that serves ('' none):
+        # told in Stats, so that an operator need not read the log for a port it took.
+        self.addresses: list[str] = []
+        self.metrics_url = ""
         # Pins of ended leases not given back yet (``_unpin_all``), oldest first: while
         # some are, a turn of the loop is scheduled to give back the next slice.
         self._owed_unpins: deque[np.ndarray] = deque()
@@ -788,6 +797,8 @@ class KVService:
             uptime_s=self._clock() - self._started,
             version=__version__,
             tenants=tenants,
+            addresses=list(self.addresses),
+            metrics_url=self.metrics_url,
         )
 
     def _tenant_stats(self, tenants: list[TenantUsage]) -> StatsSnapshot:
@@ -795,8 +806,9 @@ class KVService:
         would tell it the others' usage (a tier's total minus its own), their traffic as it
         happens (hits, puts, sessions) and their names (counters labelled by tenant), so it
         gets each tier's capacity and health with the usage of what it may see, the counters
-        labelled with what it may see (its quota evictions), and the gauges that describe
-        the daemon rather than anyone's work."""
+        labelled with what it may see (its quota evictions), the gauges that describe the
+        daemon rather than anyone's work, and where the daemon listens, but not its metrics
+        endpoint (which names every tenant and shows its traffic)."""
         labels = {t.tenant for t in tenants}
         counters = {
             c.key: c.value
@@ -826,6 +838,8 @@ class KVService:
             uptime_s=self._clock() - self._started,
             version=__version__,
             tenants=tenants,
+            addresses=list(self.addresses),
+            metrics_url="",
         )
 
     def tenant_usage(self, visible: list[str] | None = None) -> list[TenantUsage]:

@@ -458,7 +458,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "gauges", "uptime_s", "version", "tenants")
+    __slots__ = ("tiers", "counters", "gauges", "uptime_s", "version", "addresses", "metrics_url", "tenants")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -478,14 +478,18 @@ class StatsResponse(_message.Message):
     GAUGES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     gauges: _containers.ScalarMap[str, float]
     uptime_s: float
     version: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    metrics_url: str
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., metrics_url: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "sessions", "tiers")

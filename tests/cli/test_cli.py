@@ -1089,6 +1089,43 @@ def test_a_stopping_daemon_is_not_alive_to_draining_ok(daemon, capsys, monkeypat
         assert code == 2 and out.startswith("not serving: "), (out, err)
 
 
+def test_regression_the_ports_a_daemon_took_for_port_0_were_told_only_in_its_log(
+    daemon_factory, tmp_path, capsys
+):
+    """With server.tcp_address and metrics.address at port 0 the daemon said which ports it
+    took in its start line only: Stats, `kvtier stats` and `kvtier health` named none, so an
+    operator without the log could not reach it over TCP nor scrape it. Stats names every
+    address as bound and the metrics endpoint (to an admin: the endpoint names every tenant);
+    the CLI shows them."""
+    from kvtier.client import Client
+
+    token, tenants = tenant_token(tmp_path, "t")
+    d = daemon_factory("server.tcp_address=127.0.0.1:0", "metrics.address=0", tenants)
+    with d.client() as admin:  # root on the Unix socket: an admin
+        stats = admin.stats()
+    unix, tcp = stats.addresses
+    assert unix == d.address and tcp == d.tcp_address()  # as the start line says
+    assert not tcp.endswith(":0")
+    url = stats.metrics_url
+    assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*/metrics", url), url
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        assert answer.status == 200 and b"kvtier_" in answer.read()
+    with Client(tcp, token_file=str(token)) as tenant:
+        seen = tenant.stats()
+    assert seen.addresses == [unix, tcp] and seen.metrics_url == ""
+    where = f"listening on {unix}, {tcp} (metrics: {url})"
+    code, out, err = run_main(capsys, "--address", d.address, "stats")
+    assert code == 0 and out.splitlines()[1] == where, (out, err)
+    code, out, err = run_main(capsys, "--address", d.address, "stats", "--json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["addresses"], doc["metrics_url"]) == ([unix, tcp], url), err
+    code, out, err = run_main(capsys, "--address", d.address, "health")
+    assert code == 0, (out, err)
+    assert out.startswith("ok: kvtierd ") and f" at {d.address} serving, {where}; L1 ok" in out
+    out = kvtier_here(capsys, "--address", tcp, "--token-file", str(token), "stats")
+    assert out.returncode == 0 and out.stdout.splitlines()[1] == f"listening on {unix}, {tcp}"
+
+
 def test_regression_health_said_degraded_to_a_user_the_daemon_opens_no_session(
     daemon_factory, tmp_path, capsys
 ):
