@@ -836,6 +836,31 @@ def test_regression_a_release_took_the_slots_it_left_unchecked_for_failed_checks
         assert [(q.slot, (q.reason, q.at)) for q in tier.quarantined()] == [(left, record)]
 
 
+def test_regression_a_slot_left_for_a_later_release_stayed_tried_from_an_earlier_check(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A slot whose check had failed once (``tried``) and that a later release left held,
+    unchecked, for its free under way stayed ``tried``: the reply of a release naming none
+    counted it among the slots that failed their check (`kvtier quarantine --release`: exit 4,
+    nothing left to try), though the next release would check it. A slot left for a later
+    release is untried, whatever an earlier check found."""
+    with _open(disk_dir, backend=faulty_files) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 65_536)
+        slot = blocks[1][1]
+        _flip(tier, slot)
+        assert _read(tier, {1: blocks[1]}) == {1: None}
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        assert tier.release_quarantined().released == []
+        faulty_files.clear()
+        assert [(q.slot, q.tried) for q in tier.quarantined()] == [(slot, True)]
+        tier.removing([slot])
+        out = tier.release_quarantined()
+        assert out.released == [] and [(q.slot, q.tried) for q in out.kept] == [(slot, False)]
+        assert [(q.slot, q.tried) for q in tier.quarantined()] == [(slot, False)]
+        assert tier.remove([slot])
+        assert tier.release_quarantined().released == [slot]
+
+
 def test_regression_a_release_gave_back_a_slot_whose_free_began_while_its_extent_was_checked(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

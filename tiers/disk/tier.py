@@ -1705,7 +1705,7 @@ class DiskTier:
         once handed out), or that the store is freeing still (``removing``: handed out, its
         new block's row would go with the next block commit, and the slot with that free):
         these two are left unchecked, their record (why their read failed, and when) as it
-        was, and not ``tried``. A slot whose check failed is ``tried`` in ``quarantined``
+        was, and not ``tried`` (whatever an earlier check found). A slot whose check failed is ``tried`` in ``quarantined``
         until it is released or a read quarantines it again, so that a caller of releases
         naming none can tell when the slots left are only those (one kept for a read in
         flight, or a free, is not). The
@@ -1805,6 +1805,10 @@ class DiskTier:
                     passed = [s for s in passed if s not in self._freeing]
                     skipped.update(dict.fromkeys(late, "its free was not done yet"))
                 self._tried.update(failed)
+                # Left for a later release, no check of theirs failed: untried, whatever an
+                # earlier release found, so that a caller of releases naming none is told to
+                # call again (``untried_count``), not that only failed slots are left.
+                self._tried.difference_update(skipped)
                 # Their block rows are gone with the drop: handed out, a slot left here
                 # would lose its new row to the next block commit.
                 self._forget_unremoved(passed)
