@@ -26,8 +26,10 @@ but ended the command's session and opens it no new one, as after a reload that 
 admin right) and 3 when it cannot be reached, as ``health``.
 ``kvtier quarantine`` lists the slots L2 holds out of use after failed reads and, with
 ``--release``, gives them back first, each once a write and read back of its extent succeed:
-exit 1 when, with no ``--slot``, slots no release has tried yet are left for the next run, 4
-when a slot it was to give back failed that check (and none is left untried), 2 when the
+exit 1 when slots are left for the next run (with no ``--slot``, slots no release has tried
+yet; or slots it was to give back and left held, unchecked or not handed back, for a read in
+flight or a free not done), 4 when a slot it was to give back failed that check (and none is
+left for the next run), 2 when the
 daemon refused (not an admin, no L2, L2 degraded by a fault other than a failed read, or
 recovering, a slot it does not hold), 3 unreachable.
 """
@@ -86,8 +88,9 @@ CHECK_REFUSED = 2
 # address, or none in --timeout.
 DRAIN_BUSY, DRAIN_REFUSED = 1, 2
 # kvtier quarantine: 0 listed (with --release: every slot asked is back in use), 1 a --release
-# naming no slot left slots no release has tried yet (run it again), 4 a slot --release was to
-# give back failed its check and stays quarantined (none left untried), 2 refused (the daemon
+# left slots for the next run (naming none, slots no release has tried yet; or slots it left
+# held for a read in flight or a free not done: run it again), 4 a slot --release was to give
+# back failed its check and stays quarantined (none left for the next run), 2 refused (the daemon
 # answered and did nothing: not an admin, no L2, L2 degraded by a fault other than a failed
 # read or still reading its index, a slot it does not hold, or stopping), 3 (health's
 # UNREACHABLE) no answer.
@@ -575,30 +578,36 @@ def _quarantine_with(args: argparse.Namespace, client: Client) -> int:
 
     result = client.quarantine(release=args.release, slots=args.slot or ())
     address = client.address
-    # A release's failures are the slots it was to give back that it did not (each slot named
-    # was held, or the daemon refused them all); the list may not reach them. One naming none
-    # tries at most server.max_batch_blocks: of the slots it left, those no release tried are
-    # the next run's, and once none is left another run would only try the failed ones again.
+    # A release's failures are the slots it was to give back that it neither gave back nor
+    # left for a later release (``deferred``: a read in flight, a free not done); each slot
+    # named was held, or the daemon refused them all, and the list may not reach them. One
+    # naming none tries at most server.max_batch_blocks: of the slots it left, those no
+    # release tried (the deferred among them) are the next run's, and once none is left
+    # another run would only try the failed ones again.
+    deferred = len(result.deferred)
     kept = untried = 0
     if args.release and args.slot:
-        kept = len(set(args.slot) - set(result.released))
+        kept = len(set(args.slot) - set(result.released) - set(result.deferred))
     elif args.release:
-        untried = result.untried_count
-        kept = result.held_count - untried
+        untried = max(result.untried_count - deferred, 0)
+        kept = result.held_count - result.untried_count
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:
         if args.release:
-            rest = (
-                f"; {untried} not tried yet (at most server.max_batch_blocks a call): run it "
-                "again for the rest"
-                if untried
-                else ""
-            )
-            print(
-                f"released: {len(result.released)} slot(s) back in use at kvtierd at {address}; "
-                f"{kept} failed their check and stay quarantined{rest}"
-            )
+            said = [
+                f"released: {len(result.released)} slot(s) back in use at kvtierd at {address}",
+                f"{kept} failed their check and stay quarantined",
+            ]
+            if deferred:
+                said.append(
+                    f"{deferred} left held for a later release (a read of it was in flight, or "
+                    "its free was not done yet)"
+                )
+            if untried:
+                said.append(f"{untried} not tried yet (at most server.max_batch_blocks a call)")
+            again = ": run it again for the rest" if deferred or untried else ""
+            print("; ".join(said) + again)
         print(
             f"L2 of kvtierd at {address}: {result.held_count} slot(s) quarantined "
             f"({human_bytes(result.held_bytes)})"
@@ -614,7 +623,7 @@ def _quarantine_with(args: argparse.Namespace, client: Client) -> int:
                 f"  ... {result.held_count - len(result.held)} more not listed (one reply "
                 "holds the first that fit in the daemon's server.max_message_bytes)"
             )
-    if untried:
+    if untried or deferred:
         return QUARANTINE_AGAIN
     return QUARANTINE_KEPT if kept else 0
 
@@ -876,9 +885,10 @@ def main(argv: list[str] | None = None) -> int:
         "quarantined, its reason saying why. Refused while L2 is degraded (but by a failed read, "
         "which a release whose every check passes clears) or still reading its index. Exit "
         "status: 0 listed (with --release: every slot asked is back in use), "
-        "1 with no --slot, slots no release has tried yet are left: run it again, "
+        "1 slots are left for the next run (with no --slot, slots no release has tried yet; "
+        "or slots it left held for a read in flight or a free not done): run it again, "
         "4 some slot --release was to give back failed its check and stays quarantined (none "
-        "left untried), 2 the daemon refused (it answered and did nothing: not an admin, no L2, "
+        "left for the next run), 2 the daemon refused (it answered and did nothing: not an admin, no L2, "
         "L2 degraded by another fault or recovering, a slot it does not hold, or it is "
         "stopping), 3 unreachable, as health's 3.",
     )

@@ -1466,7 +1466,9 @@ class Client:
         earlier such release tried: call again for the rest) back to use, each once its extent
         takes a write and gives it back (one that fails stays held, its reason saying why;
         ``untried_count`` counts the slots held that no release has tried since their
-        quarantine, or since the daemon started). FailedPreconditionError without L2, and for a
+        quarantine, or since the daemon started; ``deferred`` lists those the release left
+        held, no check of theirs failing, for a later one: a read of the slot in flight, or
+        the daemon's free of it not done). FailedPreconditionError without L2, and for a
         release while L2 is degraded (but by a failed read, which a release whose every check
         passes clears) or still reading its index. ``timeout_s`` bounds this call instead of
         the client's timeout (a release writes, syncs and reads every extent; ``None`` or 0:

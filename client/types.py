@@ -147,6 +147,9 @@ class QuarantinedSlot:
     offset: int  # its byte offset there
     reason: str  # the failed read's error, or what failed when a release checked it
     at: float  # when, in seconds since the epoch (0: not recorded)
+    # Whether a release checked it since its quarantine (or since the daemon started) and the
+    # check failed (False from a daemon older than this field).
+    tried: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +163,11 @@ class QuarantineResult:
     # How many of them no release has tried since their quarantine (or since the daemon
     # started): a release naming no slot left them for the next; the others failed a check.
     untried_count: int
+    # The slots the call was to give back and left held, no check of theirs having failed,
+    # for a later release (a read of the slot was in flight, or the daemon's free of it was not
+    # done yet): untried. Those asked for that are neither released nor here failed their
+    # check (an older daemon leaves this empty).
+    deferred: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -792,13 +800,14 @@ def drain_result(resp: pb.DrainResponse) -> DrainResult:
 def quarantine_result(resp: pb.QuarantineResponse) -> QuarantineResult:
     return QuarantineResult(
         [
-            QuarantinedSlot(q.slot, q.slot_bytes, q.file, q.offset, q.reason, q.at)
+            QuarantinedSlot(q.slot, q.slot_bytes, q.file, q.offset, q.reason, q.at, q.tried)
             for q in resp.held
         ],
         list(resp.released),
         resp.held_count,
         resp.held_bytes,
         resp.untried_count,
+        list(resp.deferred),
     )
 
 

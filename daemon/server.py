@@ -696,13 +696,15 @@ class KVTierServicer:
     async def Quarantine(
         self, request: pb.QuarantineRequest, context: grpc.aio.ServicerContext
     ) -> pb.QuarantineResponse:
-        held, released = await self.service.quarantine(
+        held, released, deferred = await self.service.quarantine(
             request.session_id, request.release, request.slots
         )
         # A disk that failed many reads holds tens of thousands of slots: the list stops where
         # the reply would pass the message size limit (a varint is at most 10 bytes, its
         # field's tag and length at most 6), and held_count counts every one.
-        room = self.service.config.server.max_message_bytes - 64 - 10 * len(released)
+        room = (
+            self.service.config.server.max_message_bytes - 64 - 10 * (len(released) + len(deferred))
+        )
         listed = []
         for q in held:
             entry = pb.QuarantinedSlot(
@@ -712,6 +714,7 @@ class KVTierServicer:
                 offset=q.offset,
                 reason=q.reason,
                 at=q.at,
+                tried=q.tried,
             )
             room -= entry.ByteSize() + 6
             if room < 0:
@@ -723,6 +726,7 @@ class KVTierServicer:
             held_count=len(held),
             held_bytes=sum(q.slot_bytes for q in held),
             untried_count=sum(not q.tried for q in held),
+            deferred=deferred,
         )
 
     @_rpc

@@ -1009,9 +1009,10 @@ class KVService:
 
     async def quarantine(
         self, session_id: str, release: bool, slots: Sequence[int]
-    ) -> tuple[list[QuarantinedSlot], list[int]]:
-        """L2's quarantined slots, after giving ``slots`` back to use with ``release``
-        (``BlockStore.quarantine``); admins only. A release naming none tries at most
+    ) -> tuple[list[QuarantinedSlot], list[int], list[int]]:
+        """L2's quarantined slots, after giving ``slots`` back to use with ``release``, the
+        slots released and those left for a later release (``BlockStore.quarantine``);
+        admins only. A release naming none tries at most
         ``server.max_batch_blocks`` slots, as one naming them may, so that the reply can list
         every slot released (the config's check makes room for that many keys)."""
         session = self._admin(session_id, "Quarantine")
@@ -1022,15 +1023,17 @@ class KVService:
             raise InvalidArgument(
                 f"{len(slots)} slots in one request; at most {limit} (server.max_batch_blocks)"
             )
-        held, released = await self.store.quarantine(release, slots, limit)
+        held, released, deferred = await self.store.quarantine(release, slots, limit)
         if release:
             log.warning(
-                "quarantine release by session %s: %d slot(s) back in use, %d held",
+                "quarantine release by session %s: %d slot(s) back in use, %d held (%d left "
+                "for a later release)",
                 shown_id(session.session_id),
                 len(released),
                 len(held),
+                len(deferred),
             )
-        return held, released
+        return held, released, deferred
 
     # ----------------------------------------------------------------- checks
 

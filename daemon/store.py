@@ -2273,8 +2273,9 @@ class BlockStore:
 
     async def quarantine(
         self, release: bool, slots: Sequence[int], limit: int
-    ) -> tuple[list[QuarantinedSlot], list[int]]:
-        """(the slots the disk tier holds out of use, those given back to use), after a
+    ) -> tuple[list[QuarantinedSlot], list[int], list[int]]:
+        """(the slots the disk tier holds out of use, those given back to use, those the
+        release left held for a later one, no check of theirs having failed), after a
         release of ``slots`` (when empty, the next ``limit`` held) with ``release``
         (``Quarantine.release_quarantined``). FailedPrecondition: there is no such tier, or
         it refused the release (degraded by a fault other than a failed read, recovering);
@@ -2284,6 +2285,7 @@ class BlockStore:
             raise FailedPrecondition("no tier quarantines slots: the daemon runs without L2")
         tier = cast(Quarantine, level.tier)
         released: list[int] = []
+        deferred: list[int] = []
         if release:
             try:
                 out = await self.transfers.run(
@@ -2294,8 +2296,9 @@ class BlockStore:
             except ValueError as e:
                 raise InvalidArgument(str(e)) from None
             released = out.released
+            deferred = [q.slot for q in out.kept if not q.tried]
         held = await self.transfers.run(Priority.BACKGROUND, tier.quarantined)
-        return held, released
+        return held, released, deferred
 
     def check(self, pins: np.ndarray | None = None) -> list[str]:
         """``check_problems``' descriptions."""

@@ -408,34 +408,38 @@ class QuarantineRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., release: bool = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QuarantinedSlot(_message.Message):
-    __slots__ = ("slot", "slot_bytes", "file", "offset", "reason", "at")
+    __slots__ = ("slot", "slot_bytes", "file", "offset", "reason", "at", "tried")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    TRIED_FIELD_NUMBER: _ClassVar[int]
     slot: int
     slot_bytes: int
     file: str
     offset: int
     reason: str
     at: float
-    def __init__(self, slot: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+    tried: bool
+    def __init__(self, slot: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ..., tried: bool = ...) -> None: ...
 
 class QuarantineResponse(_message.Message):
-    __slots__ = ("held", "released", "held_count", "held_bytes", "untried_count")
+    __slots__ = ("held", "released", "held_count", "held_bytes", "untried_count", "deferred")
     HELD_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     HELD_COUNT_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     UNTRIED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[QuarantinedSlot]
     released: _containers.RepeatedScalarFieldContainer[int]
     held_count: int
     held_bytes: int
     untried_count: int
-    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., held_count: _Optional[int] = ..., held_bytes: _Optional[int] = ..., untried_count: _Optional[int] = ...) -> None: ...
+    deferred: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., held_count: _Optional[int] = ..., held_bytes: _Optional[int] = ..., untried_count: _Optional[int] = ..., deferred: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("session_id",)
