@@ -36,6 +36,7 @@ from kvtier.tiers.base import (
     Health,
     HostBuffers,
     Priority,
+    QuarantineRelease,
     ReadBatch,
     RecoveredBlocks,
     TierUnavailable,
@@ -861,6 +862,28 @@ def test_regression_a_slot_left_for_a_later_release_stayed_tried_from_an_earlier
         assert tier.release_quarantined().released == [slot]
 
 
+def _release_as_a_free_begins(
+    tier: DiskTier, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict, int, QuarantineRelease]:
+    """Blocks 0 and 1 persisted, block 1's slot quarantined by a failed read, then a release
+    during whose check of that slot the slot's free begins (``removing``): the blocks, that
+    slot and what the release did."""
+    blocks = _persist(tier, make_block, [0, 1], 65_536)
+    slot = blocks[1][1]
+    _flip(tier, slot)
+    assert _read(tier, {1: blocks[1]}) == {1: None}
+    check = tier._check_extents
+
+    def free_begins_meanwhile(held: dict[int, int]) -> dict[int, str]:
+        tier.removing([slot])
+        return check(held)
+
+    monkeypatch.setattr(tier, "_check_extents", free_begins_meanwhile)
+    out = tier.release_quarantined()
+    monkeypatch.undo()
+    return blocks, slot, out
+
+
 def test_regression_a_release_gave_back_a_slot_whose_free_began_while_its_extent_was_checked(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -871,19 +894,7 @@ def test_regression_a_release_gave_back_a_slot_whose_free_began_while_its_extent
     there overwrote (two blocks of one slot; the first gone after a restart). A release now
     leaves such a slot held, as one whose free began before, and a later one gives it back."""
     with _open(disk_dir) as tier:
-        blocks = _persist(tier, make_block, [0, 1], 65_536)
-        slot = blocks[1][1]
-        _flip(tier, slot)
-        assert _read(tier, {1: blocks[1]}) == {1: None}
-        check = tier._check_extents
-
-        def free_begins_meanwhile(held: dict[int, int]) -> dict[int, str]:
-            tier.removing([slot])
-            return check(held)
-
-        monkeypatch.setattr(tier, "_check_extents", free_begins_meanwhile)
-        out = tier.release_quarantined()
-        monkeypatch.undo()
+        blocks, slot, out = _release_as_a_free_begins(tier, make_block, monkeypatch)
         assert out.released == []
         assert [(q.slot, q.reason) for q in out.kept] == [
             (slot, "release: its free was not done yet")
@@ -896,6 +907,30 @@ def test_regression_a_release_gave_back_a_slot_whose_free_began_while_its_extent
         assert tier.release_quarantined().released == [slot]
     with _open(disk_dir) as tier:
         assert {r.key for r in tier.recover()} == {blocks[0][0], other[2][0], again[3][0]}
+
+
+def test_regression_a_slot_whose_free_began_during_its_check_was_listed_as_not_recorded(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot whose check passed while its free began stays held for that free, its rows
+    dropped with the others released: `kvtier quarantine` listed it as "not recorded in the
+    index", at no time, as if its quarantine had failed to commit, until a later release gave
+    it back. It is listed as passed, held for its free, since the release."""
+    with _open(disk_dir, clock=lambda: 2_000.0) as tier:
+        _, slot, out = _release_as_a_free_begins(tier, make_block, monkeypatch)
+        assert out.released == []
+        listed = [(q.slot, q.reason, q.at, q.tried) for q in tier.quarantined()]
+        assert listed == [
+            (
+                slot,
+                "release: its check passed, its free was not done yet (free after a restart)",
+                2_000.0,
+                False,
+            )
+        ]
+        assert tier.remove([slot])
+        assert tier.release_quarantined().released == [slot]
+        assert tier.quarantined() == []
 
 
 def test_regression_a_failed_read_on_a_full_disk_let_a_release_end_the_full_disks_fault(

@@ -169,6 +169,9 @@ _LOGGED_FAILURES = 16
 # The extents a release checks at once: their bytes are held in memory, written, synced and
 # read back together.
 _CHECK_GROUP_BYTES = 64 << 20
+# What ``quarantined`` lists for a slot that passed a release's check while its free began:
+# held for that free, no longer in the index (a restart finds it free).
+_PASSED_REASON = "release: its check passed, its free was not done yet (free after a restart)"
 
 
 # ---------------------------------------------------------------------------------- space
@@ -669,6 +672,10 @@ class DiskTier:
         # Held slots whose check a release tried since their quarantine, and failed: a release
         # naming none leaves the others for the next one (in memory, as the cursor).
         self._tried: set[int] = set()
+        # Held slots whose check passed but whose free began meanwhile (``release_quarantined``:
+        # their rows dropped, so the index records nothing of them) -> when: ``quarantined``
+        # says so, until a release gives them back or a read quarantines them again.
+        self._passed_at: dict[int, float] = {}
         # Slots with a read in flight -> how many: a release leaves these held, since a read
         # that fails after it would quarantine the slot again (even once it was handed out).
         self._reading: Counter[int] = Counter()
@@ -1672,17 +1679,22 @@ class DiskTier:
 
     def quarantined(self) -> list[QuarantinedSlot]:
         """Every slot held out of use, in slot order, with where it lies and why (the reason
-        and time the index recorded; none for a slot whose record failed to commit)."""
+        and time the index recorded; for a slot that passed a release's check while its free
+        began, which the index no longer records, that and when; none for a slot whose record
+        failed to commit)."""
         self._check_open()
         with self._state_lock:
             held = sorted(self._quarantined.items())
             tried = set(self._tried)
+            passed_at = dict(self._passed_at)
         try:
             recorded = self._idx().quarantine_records()
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index read")
             recorded = {}
         unknown = ("not recorded in the index", 0.0)
+        for slot, at in passed_at.items():
+            recorded.setdefault(slot, (_PASSED_REASON, at))
         return [
             self._held(slot, nbytes, *recorded.get(slot, unknown), slot in tried)
             for slot, nbytes in held
@@ -1799,11 +1811,13 @@ class DiskTier:
                 # A free begun while the extents were checked (``removing``): given back, the
                 # slot would be released again by that free's ``remove``, under the block
                 # handed it meanwhile. Held in memory only (its rows are dropped: a restart
-                # finds it free), as one whose free began before; a later release gives it back.
+                # finds it free), as one whose free began before; a later release gives it back,
+                # and ``quarantined`` says meanwhile that it passed (``_passed_at``).
                 late = [s for s in passed if s in self._freeing]
                 if late:
                     passed = [s for s in passed if s not in self._freeing]
                     skipped.update(dict.fromkeys(late, "its free was not done yet"))
+                    self._passed_at.update(dict.fromkeys(late, self._clock()))
                 self._tried.update(failed)
                 # Left for a later release, no check of theirs failed: untried, whatever an
                 # earlier release found, so that a caller of releases naming none is told to
@@ -1817,6 +1831,7 @@ class DiskTier:
                         self._quarantined.pop(slot)
                     )
                     self._tried.discard(slot)
+                    self._passed_at.pop(slot, None)
                     self.allocator.release(slot)
         if passed:
             log.warning("L2: %d quarantined slot(s) checked and returned to service", len(passed))
@@ -2037,6 +2052,7 @@ class DiskTier:
                 )
                 self._quarantined[b.slot] = b.nbytes
                 self._tried.discard(b.slot)  # a new failure, for the next release to try
+                self._passed_at.pop(b.slot, None)  # its record now this read's, if any
             self._committed.discard(b.slot for b in blocks)
             if kept_rows:
                 # Left, a put of one of their keys committed beside its row (the store
