@@ -933,6 +933,34 @@ def test_regression_a_slot_whose_free_began_during_its_check_was_listed_as_not_r
         assert tier.quarantined() == []
 
 
+def test_regression_a_slot_that_failed_its_check_was_listed_as_passed_by_an_earlier_release(
+    disk_dir: Path,
+    make_block: Block,
+    faulty_files: FaultyFiles,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slot that passed a release's check while its free began, then failed the next
+    release's check with that failure's record not committed (the index held by another
+    process here; SQLITE_FULL or SQLITE_IOERR alike), was still listed as "release: its check
+    passed ... (free after a restart)": the earlier pass outlived the check that failed. It
+    is listed as a slot whose record failed to commit, ``tried``."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=0.0) as tier:
+        _, slot, _ = _release_as_a_free_begins(tier, make_block, monkeypatch)
+        assert tier.remove([slot])
+        monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            out = tier.release_quarantined([slot])
+        finally:
+            other.close()
+        assert out.released == [] and [(q.slot, q.tried) for q in out.kept] == [(slot, True)]
+        assert tier.health().state is Health.DEGRADED_IO  # the record's failure
+        listed = [(q.slot, q.reason, q.at, q.tried) for q in tier.quarantined()]
+        assert listed == [(slot, "not recorded in the index", 0.0, True)]
+
+
 def test_regression_a_failed_read_on_a_full_disk_let_a_release_end_the_full_disks_fault(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

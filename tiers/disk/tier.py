@@ -674,7 +674,8 @@ class DiskTier:
         self._tried: set[int] = set()
         # Held slots whose check passed but whose free began meanwhile (``release_quarantined``:
         # their rows dropped, so the index records nothing of them) -> when: ``quarantined``
-        # says so, until a release gives them back or a read quarantines them again.
+        # says so, until a release gives them back, a check of theirs fails or a read
+        # quarantines them again.
         self._passed_at: dict[int, float] = {}
         # Slots with a read in flight -> how many: a release leaves these held, since a read
         # that fails after it would quarantine the slot again (even once it was handed out).
@@ -1819,6 +1820,10 @@ class DiskTier:
                     skipped.update(dict.fromkeys(late, "its free was not done yet"))
                     self._passed_at.update(dict.fromkeys(late, self._clock()))
                 self._tried.update(failed)
+                # Passed no longer: their record is this failure's, or none where it did not
+                # commit (``quarantined`` must not say an earlier check passed).
+                for slot in failed:
+                    self._passed_at.pop(slot, None)
                 # Left for a later release, no check of theirs failed: untried, whatever an
                 # earlier release found, so that a caller of releases naming none is told to
                 # call again (``untried_count``), not that only failed slots are left.
