@@ -766,18 +766,16 @@ def test_regression_health_named_the_tiers_otherwise_than_the_probes_and_metrics
     assert [t["tier"] for t in doc["tiers"]] == ["L1", "L2"]
 
 
-def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
-    daemon_factory, tmp_path, capsys
-):
-    """Slots quarantined after failed reads stayed out of use until someone called a method
-    only tests called: `kvtier quarantine` lists them, `--release` gives them back (checked
-    first), for good across a restart, and a bad request is refused (2)."""
+def _daemon_with_a_quarantined_slot(daemon_factory, tmp_path, **kw):
+    """A daemon with L2 (``kw`` for ``daemon_factory``) and 4 blocks stored there, the
+    second's slot quarantined by a read of damaged bytes: (the daemon, the keys, that slot,
+    its data file and offset)."""
     from kvtier.tiers.disk import DiskTier
 
     l2 = tmp_path / "l2"
     geometry = ("tiers.l2.capacity_bytes=8MiB", "tiers.l2.segment_bytes=1MiB")
     d = daemon_factory(
-        "tiers.l2.enabled=true", f"tiers.l2.path={l2}", *geometry, "tiers.l2.file_bytes=4MiB"
+        "tiers.l2.enabled=true", f"tiers.l2.path={l2}", *geometry, "tiers.l2.file_bytes=4MiB", **kw
     )
     ks = _keys(4, 61)
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
@@ -794,7 +792,16 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         assert client.get(pool.pool_id, ks, range(4)).loaded == [True, False, True, True]
-    bad = slots[ks[1]]
+    return d, ks, slots[ks[1]], path, offset
+
+
+def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
+    daemon_factory, tmp_path, capsys
+):
+    """Slots quarantined after failed reads stayed out of use until someone called a method
+    only tests called: `kvtier quarantine` lists them, `--release` gives them back (checked
+    first), for good across a restart, and a bad request is refused (2)."""
+    d, ks, bad, path, offset = _daemon_with_a_quarantined_slot(daemon_factory, tmp_path)
     out = kvtier("--address", d.address, "quarantine")
     assert out.returncode == 0, out
     lines = out.stdout.splitlines()
@@ -992,6 +999,60 @@ def test_regression_a_release_counted_the_slots_it_left_unchecked_as_failed(caps
     code, out, _ = run_main(capsys, *address, "quarantine", "--release")  # naming none
     assert code == 1 and "; 1 left held for a later release " in out.splitlines()[0]
     assert "not tried yet" not in out  # the one untried is the one left
+
+
+# A daemon whose L2 release finds, the first time, the free of every slot held begun and not
+# done (done once it returns), and fails every check of the second.
+_ENTRY_RELEASES_DEFERRED_THEN_FAILED = """
+import sys
+from kvtier.daemon.entry import main
+from kvtier.tiers.disk import DiskTier
+
+release, check, calls = DiskTier.release_quarantined, DiskTier._check_extents, []
+
+def release_as_a_free_begins(self, slots=None, limit=None):
+    calls.append(slots)
+    if len(calls) != 1:
+        return release(self, slots, limit)
+    held = sorted(self._quarantined)
+    self.removing(held)
+    try:
+        return release(self, slots, limit)
+    finally:
+        self.remove(held)
+
+def check_fails_second(self, held):
+    if len(calls) == 2:
+        return dict.fromkeys(held, "write: EIO: injected")
+    return check(self, held)
+
+DiskTier.release_quarantined = release_as_a_free_begins
+DiskTier._check_extents = check_fails_second
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_release_tells_the_cli_the_slots_it_deferred_and_those_that_failed_over_grpc(
+    daemon_factory, tmp_path, capsys
+):
+    """The slots a release left held for a later one (``deferred``) and those whose check
+    failed (``tried``) go from the daemon's reply to the CLI: with a real daemon, `--release
+    --slot` exits 1 for a slot left for its free, 4 for one that failed its check, 0 once it
+    is back in use (the CLI's own tests of these answers stub the client)."""
+    d, _, bad, _, _ = _daemon_with_a_quarantined_slot(
+        daemon_factory, tmp_path, entry=("-c", _ENTRY_RELEASES_DEFERRED_THEN_FAILED)
+    )
+    release = ("--address", d.address, "quarantine", "--release", "--slot", str(bad))
+    code, out, err = run_main(capsys, *release, "--json")
+    reply = json.loads(out)
+    assert code == 1 and (reply["released"], reply["deferred"]) == ([], [bad]), (out, err)
+    assert [(q["slot"], q["tried"]) for q in reply["held"]] == [(bad, False)]
+    code, out, err = run_main(capsys, *release, "--json")
+    reply = json.loads(out)
+    assert code == 4 and (reply["released"], reply["deferred"]) == ([], []), (out, err)
+    assert [(q["slot"], q["tried"]) for q in reply["held"]] == [(bad, True)]
+    code, out, err = run_main(capsys, *release)
+    assert code == 0 and out.startswith("released: 1 slot(s) back in use "), (out, err)
 
 
 def test_quarantine_exits_2_without_l2_and_for_a_tenant_not_admin(daemon_factory, tmp_path, capsys):
