@@ -28,7 +28,8 @@ umask, environment; the log's descriptor beside it) answered by the child's pid,
 child's exit. The server ends when its socket closes (the test process ended or closed it),
 SIGKILLing the children still running first (their statuses relayed where the test process
 still reads); a server killed takes its children with it (PR_SET_PDEATHSIG): none outlives the
-tests.
+tests. A start the test gave up on (no answer in time, an interrupt) is followed by a SIGKILL
+for its child, which no handle stops: it does not run until the server ends.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class ForkServer:
         self._replies: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
         self._next_id = 0
+        self._abandoned: set[int] = set()  # starts whose requester stopped waiting
         self._gone = False
         self._reader = threading.Thread(target=self._read, name="kvtier-forkserver", daemon=True)
         self._reader.start()
@@ -153,12 +155,26 @@ class ForkServer:
             "env": dict(os.environ),
         }
         self._send(request, [log_fd])
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: request_id in self._replies or self._gone, REPLY_TIMEOUT_S
-            ):
-                raise TimeoutError(f"the daemons' fork server did not answer in {REPLY_TIMEOUT_S}s")
-            reply = self._replies.pop(request_id, None)
+        try:
+            with self._cond:
+                if not self._cond.wait_for(
+                    lambda: request_id in self._replies or self._gone, REPLY_TIMEOUT_S
+                ):
+                    raise TimeoutError(
+                        f"the daemons' fork server did not answer in {REPLY_TIMEOUT_S}s"
+                    )
+                reply = self._replies.pop(request_id, None)
+        except BaseException:
+            # Given up on (a timeout, an interrupt): no handle will stop the child the server
+            # may still fork, which ran until the server ended, holding its socket, ports and
+            # folders. The kill follows the start on the server's socket, so it reaches the
+            # child whenever the server forks it; its reply is not kept.
+            with self._cond:
+                if self._replies.pop(request_id, None) is None:
+                    self._abandoned.add(request_id)
+            with contextlib.suppress(OSError):  # the server has ended: so has the child
+                self.signal(request_id, signal.SIGKILL)
+            raise
         if reply is None:
             raise RuntimeError(f"the daemons' fork server ended ({self.proc.poll()})")
         return ForkedDaemon(self, reply["pid"], request_id, ["python", *DEFAULT_ENTRY, *args])
@@ -210,6 +226,8 @@ class ForkServer:
                         # them, whose handle found the earlier one's status ("exited with
                         # -9 during start").
                         self._exits[message["exit"]] = message["code"]
+                    elif message["id"] in self._abandoned:
+                        self._abandoned.discard(message["id"])  # its child is being killed
                     else:
                         self._replies[message["id"]] = message
                     self._cond.notify_all()

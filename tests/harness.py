@@ -69,15 +69,22 @@ class DaemonProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self._log_file = log
         server = fork_server() if self.entry == DEFAULT_ENTRY else None
-        if server is not None and server.serves():
-            self.proc = server.start(args, str(self.workdir), log.fileno())
-        else:
-            self.proc = subprocess.Popen(
-                [sys.executable, *self.entry, *args],
-                cwd=self.workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        try:
+            if server is not None and server.serves():
+                self.proc = server.start(args, str(self.workdir), log.fileno())
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, *self.entry, *args],
+                    cwd=self.workdir,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        except BaseException:
+            # No process to stop (the fork server kills a child it may still fork): none
+            # would close the log.
+            log.close()
+            self._log_file = None
+            raise
         if wait:
             try:
                 self.wait_ready()

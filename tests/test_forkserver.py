@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 
+import forkserver
 import pytest
 from forkserver import SWITCH, ForkedDaemon, close_fork_server
 from harness import DaemonFactory
@@ -105,3 +106,21 @@ def test_a_fork_server_killed_takes_its_children_and_is_replaced(
     d.proc.returncode = -signal.SIGKILL  # what no server relays now, for the factory's end
     again = daemon_factory()
     assert isinstance(again.proc, ForkedDaemon) and again.proc.server is not server
+
+
+def test_regression_a_start_given_up_on_does_not_leave_its_daemon_running(
+    daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start whose answer came after the test stopped waiting forked a daemon that no handle
+    could stop: it ran until the server ended, holding its socket, ports and folders."""
+    server = daemon_factory().proc.server  # type: ignore[union-attr]
+    monkeypatch.setattr(forkserver, "REPLY_TIMEOUT_S", 0.0)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # it answers nothing until the wait is over
+    try:
+        with pytest.raises(TimeoutError, match="did not answer"):
+            daemon_factory()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    given_up = server._next_id - 1
+    assert server.exit_code(given_up, 60) == -signal.SIGKILL
+    assert given_up not in server._replies
