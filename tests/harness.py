@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -132,9 +133,17 @@ class DaemonProcess:
         it took where ``server.tcp_address`` asked for port 0. A test lets the daemon take
         one so: a port a test found free and let go may be bound by any process before the
         daemon binds it (other workers' daemons and Redis servers do)."""
-        found = re.search(r"kvtierd listening on unix:\S+, ([^\s;,\"]+:\d+)", self.log())
+        # The line's Unix socket is this handle's, written as it is (its path may hold
+        # spaces), and a JSON log's line is its "msg" (escaped); the last start's line, as a
+        # restarted daemon logs to the same file (it may have taken another port).
+        start = re.compile(re.escape(f"kvtierd listening on {self.address}, ") + r"(\S+)")
+        found = [
+            match.group(1)
+            for line in self.log().splitlines()
+            if (match := start.search(_message(line)))
+        ]
         assert found, f"no TCP listener in the daemon's start line:\n{self.log()}"
-        return found.group(1)
+        return found[-1]
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -173,6 +182,16 @@ class DaemonProcess:
             self._log_file.close()  # type: ignore[attr-defined]
             self._log_file = None
         return code
+
+
+def _message(line: str) -> str:
+    """A log line's message: a JSON line's "msg", else the line."""
+    if line.startswith("{"):
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and isinstance(entry.get("msg"), str):
+                return entry["msg"]
+    return line
 
 
 class DaemonFactory:
