@@ -73,6 +73,7 @@ from kvtier.client.types import (
     unix_socket_path,
 )
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.sim import COMMAND_HELP as SIM_COMMAND_HELP
 from kvtier.tiers.sizes import counted
 
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
@@ -739,10 +740,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args.what, args.extra, as_json=args.json)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(simulator: bool) -> argparse.ArgumentParser:
+    """The CLI's parser; the simulator's commands (``kvtier.sim.cli``) registered with their
+    options where ``simulator``, else by name and help line alone (each a parser that takes
+    any arguments): ``main`` builds that one first, and this one again for those commands."""
     from kvtier.bench import BENCHMARKS
     from kvtier.bench.jsonout import JSON_HELP
-    from kvtier.sim.cli import add_replay_parser, add_trace_parser
 
     p = argparse.ArgumentParser(
         prog="kvtier",
@@ -922,11 +925,24 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help=JSON_HELP)
     b.set_defaults(func=_bench, parser=b)
 
-    add_replay_parser(sub)
-    add_trace_parser(sub)
+    if simulator:
+        from kvtier.sim.cli import add_replay_parser, add_trace_parser
 
+        add_replay_parser(sub)
+        add_trace_parser(sub)
+    else:
+        for name, line in SIM_COMMAND_HELP.items():
+            sub.add_parser(name, help=line, add_help=False).set_defaults(func=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     # Options after the benchmark's name belong to the benchmark.
+    p = _parser(simulator=False)
     args, extra = p.parse_known_args(argv)
+    if args.func is None:  # a simulator's command: read again with its options
+        p = _parser(simulator=True)
+        args, extra = p.parse_known_args(argv)
     if extra and args.command != "bench":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra

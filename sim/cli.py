@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtier.daemon.policy.heat import DEFAULT_HALF_LIFE_S
 from kvtier.daemon.policy.registry import policy_names
-from kvtier.sim import tracegen
+from kvtier.sim import COMMAND_HELP, tracegen
 from kvtier.sim.cluster import (
     DAEMON_L3_ADMISSION,
     DAEMON_L3_TTL_S,
@@ -50,7 +50,7 @@ def add_replay_parser(subparsers: Any) -> None:
     """Register ``kvtier replay``."""
     p = subparsers.add_parser(
         "replay",
-        help="replay a Mooncake-format trace through the tier stack and its policies (offline)",
+        help=COMMAND_HELP["replay"],
         description=(
             "Replay a trace (JSONL: timestamp ms, input_length, hash_ids) through the daemon's "
             "tier stack and eviction policies on the trace's clock, and report block hit "
@@ -186,7 +186,7 @@ def add_replay_parser(subparsers: Any) -> None:
 
 def add_trace_parser(subparsers: Any) -> None:
     """Register ``kvtier trace gen``."""
-    p = subparsers.add_parser("trace", help="synthetic traces (offline)")
+    p = subparsers.add_parser("trace", help=COMMAND_HELP["trace"])
     sub = p.add_subparsers(dest="trace_command", required=True)
     g = sub.add_parser(
         "gen",

@@ -84,6 +84,38 @@ def test_every_command_has_help(capsys, command):
     assert out.startswith("usage: kvtier")
 
 
+_IMPORTED_BY_HEALTH = """
+import sys
+from kvtier.cli.main import main
+main(["--address", sys.argv[1], "health"])
+print(sorted(m for m in sys.modules if m.startswith("kvtier.sim")), file=sys.stderr)
+"""
+
+
+def test_a_daemon_command_imports_no_simulator_and_the_help_lists_its_commands(capsys, tmp_path):
+    """Every ``kvtier`` run imported the simulator's commands (kvtier.sim.cli: ~0.1 s of its
+    start, as long as a health probe's call) to register them; the help still names them."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_BY_HEALTH, f"unix:{tmp_path}/none.sock"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "['kvtier.sim']", done.stderr
+    code, out, err = run_main(capsys, "--help")
+    assert code == 0, err
+    for name, line in (
+        ("replay", "replay a Mooncake-format trace"),
+        ("trace", "synthetic traces (offline)"),
+    ):
+        assert re.search(rf"^ +{name} +{re.escape(line)}", out, re.M), out
+    code, out, err = run_main(capsys, "replay", "--help")
+    assert code == 0 and "--l1-blocks" in out, err
+    code, out, err = run_main(capsys, "trace", "gen", "--help")
+    assert code == 0 and "--scenario" in out, err
+
+
 @pytest.mark.parametrize(
     ("args", "bad"),
     [
