@@ -18,8 +18,11 @@ at import rather than at the start cannot follow the test: environment variables
 interpreter, gRPC's core (GRPC_VERBOSITY, read as grpc is imported), numpy's BLAS and the C
 library (``IMPORT_TIME_ENV``), and the resource limits: a start whose environment differs from
 the server's in one of them, or whose limits differ, is left to ``python -m kvtier.daemon``
-(``serves``). So is every other entry (``-c CODE``): only the default one forks. The children
-share the server's hash seed (PYTHONHASHSEED's randomisation happens once per interpreter).
+(``serves``). So is every other entry (``-c CODE``) but one whose code starts with
+``FORKABLE``: code that may run after the daemon's modules are imported (the signals, hooks
+and imports of daemon/entry.py's tests may not) runs in a child as ``python -c CODE ARGS``
+would (``sys.argv``, ``sys.path[0]``, a ``__main__`` of its own). The children share the
+server's hash seed (PYTHONHASHSEED's randomisation happens once per interpreter).
 KVTIER_TEST_FORK_DAEMONS=0 runs every daemon as before.
 
 Requests and answers are JSON messages on a SOCK_SEQPACKET socket pair: ``start`` (argv, cwd,
@@ -46,6 +49,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -72,6 +76,8 @@ PRELOAD = (
     *(f"kvtier.daemon.policy.{name}" for name in ("memento", "opt")),
     "uvloop",
 )
+# The first line of ``-c`` code that a forked child may run, after the imports (PRELOAD).
+FORKABLE = "# forkable: runs as well once the daemon's modules are imported\n"
 MAX_MESSAGE_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1
 REPLY_TIMEOUT_S = 60.0
@@ -140,9 +146,14 @@ class ForkServer:
         with self._cond:
             return self._gone
 
-    def start(self, args: list[str], cwd: str, log_fd: int) -> ForkedDaemon:
-        """A child running ``python -m kvtier.daemon args`` in ``cwd``, its stdout and stderr
-        on ``log_fd``, in this process's environment and umask."""
+    def start(
+        self, args: list[str], cwd: str, log_fd: int, entry: tuple[str, ...] = DEFAULT_ENTRY
+    ) -> ForkedDaemon:
+        """A child running ``python ENTRY args`` in ``cwd`` (``-m kvtier.daemon``, or ``-c``
+        code that starts with ``FORKABLE`` and its arguments), its stdout and stderr on
+        ``log_fd``, in this process's environment and umask."""
+        if entry != DEFAULT_ENTRY and not forkable(entry):
+            raise ValueError(f"not an entry a forked child runs: {entry[:1]}")
         with self._cond:
             request_id = self._next_id
             self._next_id += 1
@@ -150,6 +161,7 @@ class ForkServer:
             "op": "start",
             "id": request_id,
             "args": args,
+            "code": None if entry == DEFAULT_ENTRY else list(entry[1:]),
             "cwd": cwd,
             "umask": _umask(),
             "env": dict(os.environ),
@@ -177,7 +189,7 @@ class ForkServer:
             raise
         if reply is None:
             raise RuntimeError(f"the daemons' fork server ended ({self.proc.poll()})")
-        return ForkedDaemon(self, reply["pid"], request_id, ["python", *DEFAULT_ENTRY, *args])
+        return ForkedDaemon(self, reply["pid"], request_id, ["python", *entry, *args])
 
     def signal(self, child: int, sig: int) -> None:
         """Signal the child of start ``child`` (its id) unless it has been reaped."""
@@ -237,6 +249,11 @@ class ForkServer:
             with self._cond:
                 self._gone = True
                 self._cond.notify_all()
+
+
+def forkable(entry: tuple[str, ...]) -> bool:
+    """Whether ``entry`` (after the interpreter) is ``-c`` code a forked child may run."""
+    return len(entry) >= 2 and entry[0] == "-c" and entry[1].startswith(FORKABLE)
 
 
 class ForkedDaemon:
@@ -412,11 +429,25 @@ def _fork_daemon(
         random.seed()
         np.random.seed()
         args = request["args"]
-        # As ``-m`` sets them: the module's path, and the working directory first on the path.
-        sys.argv = [os.path.join(os.path.dirname(kvtier.daemon.__file__), "__main__.py"), *args]
-        sys.path[0] = os.getcwd()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
-        code = main(args)
+        if request["code"] is None:
+            # As ``-m`` sets them: the module's path, and the working directory first on the
+            # path.
+            path = os.path.dirname(kvtier.daemon.__file__)
+            sys.argv = [os.path.join(path, "__main__.py"), *args]
+            sys.path[0] = os.getcwd()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+            code = main(args)
+        else:
+            # As ``-c`` sets them: "-c" and the arguments, the working directory ("") first on
+            # the path, and a ``__main__`` module of the code's own.
+            source, *entry_args = request["code"]
+            sys.argv = ["-c", *entry_args, *args]
+            sys.path[0] = ""
+            module = types.ModuleType("__main__")
+            sys.modules["__main__"] = module
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+            exec(compile(source, "<string>", "exec"), module.__dict__)
+            code = 0
     except SystemExit as e:
         code = _exit_status(e.code)
     except BaseException:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkserver import DEFAULT_ENTRY, ForkedDaemon, fork_server
+from forkserver import DEFAULT_ENTRY, FORKABLE, ForkedDaemon, fork_server, forkable
 
 from kvtier.client import Client, wait_until_serving
 from kvtier.paths import unix_address
@@ -41,8 +41,9 @@ class DaemonProcess:
     overrides: list[str]
     proc: subprocess.Popen[bytes] | ForkedDaemon | None = None
     # What runs the daemon, after the interpreter: ``-m kvtier.daemon`` unless a test says
-    # otherwise (``-c CODE``). The default one is a child of this process's fork server
-    # (forkserver.py) where it can be, without the ~0.4 s of CPU of the imports.
+    # otherwise (``-c CODE``). The default one, and code that starts with forkserver.FORKABLE
+    # (``entry_setting``'s), is a child of this process's fork server (forkserver.py) where
+    # it can be, without the ~0.4 s of CPU of the imports.
     entry: tuple[str, ...] = DEFAULT_ENTRY
     # tiers.l1.prefault, before the overrides (which may set it): not pre-faulted, the thread
     # faulting the arena in once the daemon serves took ~0.15 s of CPU for 128 MiB (2.2 s for
@@ -69,10 +70,10 @@ class DaemonProcess:
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self._log_file = log
-        server = fork_server() if self.entry == DEFAULT_ENTRY else None
+        server = fork_server() if self.entry == DEFAULT_ENTRY or forkable(self.entry) else None
         try:
             if server is not None and server.serves():
-                self.proc = server.start(args, str(self.workdir), log.fileno())
+                self.proc = server.start(args, str(self.workdir), log.fileno(), self.entry)
             else:
                 self.proc = subprocess.Popen(
                     [sys.executable, *self.entry, *args],
@@ -281,12 +282,20 @@ def wait_gauge_clear(daemon: DaemonProcess, gauge: str, timeout_s: float, what: 
 def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:
     """A daemon entry that sets module constants before kvtierd starts, for intervals that
     are not configuration (``{"kvtier.daemon.connections.CHECK_INTERVAL_S": 0.2}``): a test
-    that waits for a periodic check then waits a fraction of the default's period."""
-    lines = ["import importlib, sys"]
+    that waits for a periodic check then waits a fraction of the default's period. Forked
+    (forkserver.FORKABLE) where it can be, after the daemon's imports: a constant that
+    another module took by name as it was imported (``from ... import NAME``) would keep
+    its value there, so the daemon refuses one that any other module holds."""
+    lines = [FORKABLE + "import importlib, sys"]
     for dotted, value in constants.items():
         module, name = dotted.rsplit(".", 1)
         lines.append(f"module = importlib.import_module({module!r})")
         lines.append(f"assert hasattr(module, {name!r}), {dotted!r}")
+        lines.append(
+            f"held = [n for n, m in list(sys.modules.items()) if m is not module "
+            f"and getattr(m, '__dict__', {{}}).get({name!r}) is module.{name}]"
+        )
+        lines.append(f"assert not held, f'{dotted} is also bound in {{held}}'")
         lines.append(f"setattr(module, {name!r}, {value!r})")
     lines += ["from kvtier.daemon.entry import main", "sys.exit(main())"]
     return ("-c", "\n".join(lines))

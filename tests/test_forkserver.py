@@ -4,6 +4,7 @@ with ``Popen``'s exit statuses, and none outlives its server."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -11,8 +12,8 @@ import subprocess
 
 import forkserver
 import pytest
-from forkserver import SWITCH, ForkedDaemon, close_fork_server
-from harness import DaemonFactory
+from forkserver import FORKABLE, SWITCH, ForkedDaemon, close_fork_server
+from harness import DaemonFactory, entry_setting
 
 
 def _umask_of(pid: int) -> int:
@@ -124,3 +125,41 @@ def test_regression_a_start_given_up_on_does_not_leave_its_daemon_running(
     given_up = server._next_id - 1
     assert server.exit_code(given_up, 60) == -signal.SIGKILL
     assert given_up not in server._replies
+
+
+_FORKABLE_WRITING_ITS_START = (
+    FORKABLE
+    + """
+import json, sys
+import __main__
+with open(sys.argv[1], "w") as f:
+    json.dump([sys.argv[:3], sys.path[0], __name__, __main__.__dict__ is globals()], f)
+del sys.argv[1]
+from kvtier.daemon.entry import main
+sys.exit(main())
+"""
+)
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_forkable_code_runs_forked_as_python_c_runs_it(
+    daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch, tmp_path, fork: str
+) -> None:
+    monkeypatch.setenv(SWITCH, fork)
+    seen = tmp_path / "seen.json"
+    d = daemon_factory(entry=("-c", _FORKABLE_WRITING_ITS_START, str(seen)))
+    assert isinstance(d.proc, ForkedDaemon) == (fork == "1")
+    assert json.loads(seen.read_text()) == [["-c", str(seen), "--set"], "", "__main__", True]
+    assert d.stop() == 0 and "kvtierd stopped" in d.log()
+
+
+def test_a_forked_entry_setting_refuses_a_constant_another_module_took_by_name(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """Set after the imports, the module that imported it by name would keep the old value
+    (exec'd, one imported after the setting took the new one): the daemon says so and
+    exits."""
+    d = daemon_factory(entry=entry_setting({"kvtier.daemon.health.SERVING": 0}), wait=False)
+    assert isinstance(d.proc, ForkedDaemon)
+    assert d.proc is not None and d.proc.wait(60) == 1, d.log()
+    assert "kvtier.daemon.health.SERVING is also bound in" in d.log()
