@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 import secrets
 import time
@@ -44,6 +45,16 @@ def method_label(full_method: str) -> str:
 _ID_BITS = 48
 _ID_START = secrets.randbits(_ID_BITS)  # a random place in the id space per process
 _ID_COUNTER = itertools.count(1)
+
+
+def _new_id_start() -> None:
+    """Draw a start of the child's own: a process forked after the import (the tests' fork
+    server's daemons) counted from its parent's."""
+    global _ID_START
+    _ID_START = secrets.randbits(_ID_BITS)
+
+
+os.register_at_fork(after_in_child=_new_id_start)
 
 
 _ID_MASK = (1 << _ID_BITS) - 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -163,3 +164,24 @@ def test_a_forked_entry_setting_refuses_a_constant_another_module_took_by_name(
     assert isinstance(d.proc, ForkedDaemon)
     assert d.proc is not None and d.proc.wait(60) == 1, d.log()
     assert "kvtier.daemon.health.SERVING is also bound in" in d.log()
+
+
+def test_regression_forked_daemons_number_their_requests_from_starts_of_their_own(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """The daemon numbers its requests from a random start drawn as kvtier.daemon.observe is
+    imported, so that two processes' ids do not collide: every child of the fork server
+    counted from the server's draw, each daemon's first requests had the ids of the last's."""
+    ids = []
+    for _ in range(2):
+        d = daemon_factory()
+        assert isinstance(d.proc, ForkedDaemon)
+        with d.client() as client:
+            client.stats()
+        # The daemon's own request id (12 hex digits) on the line of the session it opened.
+        found = re.findall(r" opened by .*\[req=([0-9a-f]{12})\]", d.log())
+        assert found, d.log()
+        ids.append(int(found[-1], 16))
+    # Random 48-bit starts: within 2**24 of each other once in 2**23 pairs; one start, a few
+    # requests apart.
+    assert abs(ids[0] - ids[1]) >= 1 << 24, [hex(i) for i in ids]
