@@ -27,8 +27,8 @@ KVTIER_TEST_FORK_DAEMONS=0 runs every daemon as before.
 
 Requests and answers are JSON messages on a SOCK_SEQPACKET socket pair: ``start`` (argv, cwd,
 umask, environment; the log's descriptor beside it) answered by the child's pid, ``signal``
-(sent through the child's pidfd, so never to a reaped child's reused pid), and, unasked, each
-child's exit. The server ends when its socket closes (the test process ended or closed it),
+(sent through the child's pidfd, so never to a reaped child's reused pid) answered once sent,
+and, unasked, each child's exit. The server ends when its socket closes (the test process ended or closed it),
 SIGKILLing the children still running first (their statuses relayed where the test process
 still reads); a server killed takes its children with it (PR_SET_PDEATHSIG): none outlives the
 tests. A start the test gave up on (no answer in time, an interrupt) is followed by a SIGKILL
@@ -131,6 +131,8 @@ class ForkServer:
         self._exits: dict[int, int] = {}
         self._next_id = 0
         self._abandoned: set[int] = set()  # starts whose requester stopped waiting
+        self._next_signal = 0
+        self._signalled: set[int] = set()  # signals sent, by their number
         self._gone = False
         self._reader = threading.Thread(target=self._read, name="kvtier-forkserver", daemon=True)
         self._reader.start()
@@ -185,15 +187,29 @@ class ForkServer:
                 if self._replies.pop(request_id, None) is None:
                     self._abandoned.add(request_id)
             with contextlib.suppress(OSError):  # the server has ended: so has the child
-                self.signal(request_id, signal.SIGKILL)
+                self.signal(request_id, signal.SIGKILL, wait=False)
             raise
         if reply is None:
             raise RuntimeError(f"the daemons' fork server ended ({self.proc.poll()})")
         return ForkedDaemon(self, reply["pid"], request_id, ["python", *entry, *args])
 
-    def signal(self, child: int, sig: int) -> None:
-        """Signal the child of start ``child`` (its id) unless it has been reaped."""
-        self._send({"op": "signal", "id": child, "sig": int(sig)})
+    def signal(self, child: int, sig: int, wait: bool = True) -> None:
+        """Signal the child of start ``child`` (its id) unless it has been reaped; once the
+        server has sent it (``wait``), as ``os.kill`` returns: a test that stops a daemon and
+        then calls it expects no answer."""
+        with self._cond:
+            sent = self._next_signal
+            self._next_signal += 1
+        self._send({"op": "signal", "id": child, "sig": int(sig), "seq": sent if wait else None})
+        if wait:
+            with self._cond:
+                if not self._cond.wait_for(
+                    lambda: sent in self._signalled or self._gone, REPLY_TIMEOUT_S
+                ):
+                    raise TimeoutError(
+                        f"the daemons' fork server did not answer in {REPLY_TIMEOUT_S}s"
+                    )
+                self._signalled.discard(sent)
 
     def exit_code(self, child: int, timeout_s: float | None) -> int | None:
         """The exit status of the child of start ``child`` (its id) once the server has
@@ -232,7 +248,9 @@ class ForkServer:
                     break
                 message = json.loads(data)
                 with self._cond:
-                    if "exit" in message:
+                    if "signalled" in message:
+                        self._signalled.add(message["signalled"])
+                    elif "exit" in message:
                         # By the start's id, not the pid: the kernel hands a reaped child's
                         # pid to later processes, a later daemon of this server's among
                         # them, whose handle found the earlier one's status ("exited with
@@ -364,8 +382,11 @@ def serve(sock: socket.socket) -> None:
                         pidfds[request["id"]] = pidfd
                         poller.register(pidfd, select.POLLIN)
                         sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
-                    elif request["id"] in pidfds:  # signal a child not yet reaped
-                        signal.pidfd_send_signal(pidfds[request["id"]], request["sig"])
+                    else:
+                        if request["id"] in pidfds:  # a child not yet reaped
+                            signal.pidfd_send_signal(pidfds[request["id"]], request["sig"])
+                        if request["seq"] is not None:
+                            sock.send(json.dumps({"signalled": request["seq"]}).encode())
                 else:
                     pid, child = children.pop(fd)
                     del pidfds[child]

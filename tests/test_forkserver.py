@@ -10,6 +10,7 @@ import re
 import select
 import signal
 import subprocess
+import threading
 
 import forkserver
 import pytest
@@ -116,10 +117,10 @@ def test_regression_a_start_given_up_on_does_not_leave_its_daemon_running(
     """A start whose answer came after the test stopped waiting forked a daemon that no handle
     could stop: it ran until the server ended, holding its socket, ports and folders."""
     server = daemon_factory().proc.server  # type: ignore[union-attr]
-    monkeypatch.setattr(forkserver, "REPLY_TIMEOUT_S", 0.0)
     os.kill(server.proc.pid, signal.SIGSTOP)  # it answers nothing until the wait is over
     try:
-        with pytest.raises(TimeoutError, match="did not answer"):
+        with monkeypatch.context() as m, pytest.raises(TimeoutError, match="did not answer"):
+            m.setattr(forkserver, "REPLY_TIMEOUT_S", 0.0)
             daemon_factory()
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
@@ -185,3 +186,29 @@ def test_regression_forked_daemons_number_their_requests_from_starts_of_their_ow
     # Random 48-bit starts: within 2**24 of each other once in 2**23 pairs; one start, a few
     # requests apart.
     assert abs(ids[0] - ids[1]) >= 1 << 24, [hex(i) for i in ids]
+
+
+def test_regression_a_forked_daemon_s_signal_is_sent_when_send_signal_returns(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """``send_signal`` returned once the request was on the server's socket, before the
+    server had sent the signal: a test that stopped its daemon (SIGSTOP) and then called it
+    was sometimes answered (test_api's fenced pool: 'assert True is False')."""
+    d = daemon_factory()
+    assert isinstance(d.proc, ForkedDaemon)
+    server = d.proc.server.proc.pid
+    sent = threading.Event()
+
+    def send() -> None:
+        d.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        sent.set()
+
+    os.kill(server, signal.SIGSTOP)  # it sends nothing until it runs again
+    sender = threading.Thread(target=send)
+    try:
+        sender.start()
+        assert not sent.wait(1.0)
+    finally:
+        os.kill(server, signal.SIGCONT)
+        sender.join(60)
+    assert sent.is_set()
