@@ -279,22 +279,48 @@ def wait_gauge_clear(daemon: DaemonProcess, gauge: str, timeout_s: float, what: 
             time.sleep(0.01)
 
 
+# entry_setting's test of a constant: the other loaded modules that bound it by name as they
+# imported it. Not one that holds the same object under that name as a constant of its own
+# (a cached small int: arc's and lru's _SCAN_BATCH), nor one without the name (None).
+_IMPORTED_BY_NAME = """
+def imported_by_name(module, name):
+    import ast, contextlib, importlib.util, inspect
+    value, missing, held = getattr(module, name), object(), []
+    for other_name, other in list(sys.modules.items()):
+        if other is module or getattr(other, "__dict__", {}).get(name, missing) is not value:
+            continue
+        try:
+            tree = ast.parse(inspect.getsource(other))
+        except (OSError, TypeError, SyntaxError):  # no source of its own: no import of ours
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if not any(alias.name in (name, "*") for alias in node.names):
+                continue
+            base = "." * node.level + (node.module or "")
+            with contextlib.suppress(ImportError, ValueError):  # relative beyond the top
+                origin = importlib.util.resolve_name(base, other.__package__ or "")
+                if origin == module.__name__:
+                    held.append(other_name)
+                    break
+    return held
+"""
+
+
 def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:
     """A daemon entry that sets module constants before kvtierd starts, for intervals that
     are not configuration (``{"kvtier.daemon.connections.CHECK_INTERVAL_S": 0.2}``): a test
     that waits for a periodic check then waits a fraction of the default's period. Forked
     (forkserver.FORKABLE) where it can be, after the daemon's imports: a constant that
     another module took by name as it was imported (``from ... import NAME``) would keep
-    its value there, so the daemon refuses one that any other module holds."""
-    lines = [FORKABLE + "import importlib, sys"]
+    its value there, so the daemon refuses one that another module imported so."""
+    lines = [FORKABLE + "import importlib, sys", _IMPORTED_BY_NAME]
     for dotted, value in constants.items():
         module, name = dotted.rsplit(".", 1)
         lines.append(f"module = importlib.import_module({module!r})")
         lines.append(f"assert hasattr(module, {name!r}), {dotted!r}")
-        lines.append(
-            f"held = [n for n, m in list(sys.modules.items()) if m is not module "
-            f"and getattr(m, '__dict__', {{}}).get({name!r}) is module.{name}]"
-        )
+        lines.append(f"held = imported_by_name(module, {name!r})")
         lines.append(f"assert not held, f'{dotted} is also bound in {{held}}'")
         lines.append(f"setattr(module, {name!r}, {value!r})")
     lines += ["from kvtier.daemon.entry import main", "sys.exit(main())"]

@@ -167,6 +167,20 @@ def test_a_forked_entry_setting_refuses_a_constant_another_module_took_by_name(
     assert "kvtier.daemon.health.SERVING is also bound in" in d.log()
 
 
+def test_regression_entry_setting_sets_a_constant_whose_value_another_module_holds_by_chance(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """entry_setting refused a constant whose object another module held under the same name
+    without importing it: lru's and arc's own _SCAN_BATCH (both the cached int 256), and one
+    that is None (every module without the name "held" it): the daemon exited at its start."""
+    constants = {"kvtier.daemon.policy.lru._SCAN_BATCH": 128}
+    constants["kvtier.daemon.policy.density._EXHAUSTED"] = None  # type: ignore[assignment]
+    d = daemon_factory(entry=entry_setting(constants), wait=False)
+    assert isinstance(d.proc, ForkedDaemon)
+    d.wait_ready()
+    assert "also bound in" not in d.log()
+
+
 def test_regression_forked_daemons_number_their_requests_from_starts_of_their_own(
     daemon_factory: DaemonFactory,
 ) -> None:
