@@ -147,8 +147,8 @@ class QuarantinedSlot:
     offset: int  # its byte offset there
     reason: str  # the failed read's error, or what failed when a release checked it
     at: float  # when, in seconds since the epoch (0: not recorded)
-    # Whether a release checked it since its quarantine (or since the daemon started) and the
-    # check failed (False from a daemon older than this field).
+    # Whether the last release that came to it checked it and the check failed (False where
+    # that release left it unchecked, and from a daemon older than this field).
     tried: bool = False
 
 

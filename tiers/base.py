@@ -685,8 +685,9 @@ class QuarantinedSlot(NamedTuple):
     offset: int  # its byte offset in that file
     reason: str  # why (the read's error), or why a release kept it
     at: float  # when, in seconds since the epoch (0: not recorded)
-    # Whether a release checked it since its quarantine, and it failed (in memory: not since
-    # the daemon started); a release naming no slot may have left the others untried.
+    # Whether the last release that came to it checked it and the check failed (in memory:
+    # not since the daemon started); False where that release left it unchecked (a read in
+    # flight, its free under way), and a release naming no slot may leave the others untried.
     tried: bool
 
 
