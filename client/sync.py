@@ -95,6 +95,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # A connection of the channel's own. gRPC shares one between a process's channels of the
+    # same target and options, and the daemon keeps 256 calls open per connection: a client's
+    # max_calls_open then bounded nothing (the 257th client of a process opened no session,
+    # and no call of any of them was taken), nor did a given-up channel's calls stay off its
+    # replacement's connection.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 # The given-up OpenSessions' tickets an OpenSession names at most (the latest): interrupts

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from harness import entry_setting
 from races import wait_for
 
 from kvtier.client import (
@@ -376,6 +377,44 @@ def test_an_async_job_of_more_parts_than_slots_completes(daemon):
                 status = await load.wait(30)
                 assert status.done.all(), status.error
                 assert c._slots.held == 0
+
+    asyncio.run(main())
+
+
+# A daemon that keeps this many calls open per connection: each client's session stream takes
+# one, so a process with this many clients open holds every one of a shared connection's.
+FEW_STREAMS = 4
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_regression_clients_of_one_process_shared_one_connection(daemon_factory, kind):
+    """Each client keeps its calls (``max_calls_open``, its session's stream besides) under the
+    daemon's bound per connection, which holds only where the client has a connection of its
+    own. gRPC shares one connection between the channels of a process that have the same
+    target and options: the 257th client of a process (here, with a daemon bound to 4 calls
+    per connection, the 5th) could open no session, and no call of any of them was taken."""
+    d = daemon_factory(
+        entry=entry_setting({"kvtier.daemon.server.MAX_STREAMS_PER_CONNECTION": FEW_STREAMS})
+    )
+    keys = keys_for(1, f"own-connection-{kind}")
+    if kind == "sync":
+        clients = [d.client(timeout_s=10) for _ in range(FEW_STREAMS + 1)]
+        try:
+            for c in clients:
+                assert c.lookup(keys).prefix_len == 0  # each opens its session first
+        finally:
+            for c in clients:
+                c.close()
+        return
+
+    async def main() -> None:
+        clients = [AsyncClient(d.address, timeout_s=10) for _ in range(FEW_STREAMS + 1)]
+        try:
+            for c in clients:
+                assert (await c.lookup(keys)).prefix_len == 0
+        finally:
+            for c in clients:
+                await c.close()
 
     asyncio.run(main())
 
