@@ -852,7 +852,7 @@ def test_stats_count_the_daemons_grpc_connections(daemon_factory):
     daemon = daemon_factory(
         entry=entry_setting({"kvtier.daemon.connections.CHECK_INTERVAL_S": CHECK_INTERVAL_S})
     )
-    # A process's gRPC channels to one address share a connection: three more of our own.
+    # Raw connections of our own beside the client's (each kvtier client holds its own).
     raw = [RawConnection(daemon.socket) for _ in range(3)]
     try:
         with daemon.client() as client:
