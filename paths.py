@@ -38,7 +38,10 @@ def unix_address(path: str) -> str:
     """The "unix:" address that gRPC reads as the socket path ``path``: gRPC decodes %XX
     escapes in it and ends it at a "?" or "#", so those three characters are written as
     escapes (``kvtier.client.types.unix_socket_path`` reads it back); so are the bytes of a
-    path that is no UTF-8 (``os.fsdecode``'s surrogates), which no address may hold raw."""
+    path that is no UTF-8 (``os.fsdecode``'s surrogates), which no address may hold raw. A
+    comma it cannot write: gRPC binds a path with one as written, but reads a client's
+    address as a list split at its commas (%2C too), so the daemon's config refuses such a
+    socket and the client's ``checked_address`` such an address."""
     text = path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
     return "unix:" + "".join(
         f"%{ord(c) - 0xDC00:02X}" if "\udc80" <= c <= "\udcff" else c for c in text

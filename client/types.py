@@ -327,7 +327,9 @@ def checked_address(address: str) -> str:
     """``address``, or InvalidArgumentError when no daemon can have it: a Unix socket path
     that no socket can have (gRPC took such a channel and failed each call with UNKNOWN
     'Failed to create channel', after its core printed a line of its own), none at all, or a
-    relative one in the URI form (the same failure: "unix://run/x.sock" names a host), each
+    relative one in the URI form (the same failure: "unix://run/x.sock" names a host), or
+    one holding a comma, which gRPC splits it at ("unix:/run/a,b/x.sock" reached the socket
+    "b/x.sock" in the working folder, another daemon's perhaps, and %2C is split too), each
     read as gRPC reads it (``unix_socket_path``); an abstract socket's name too long for one
     (digits alone were refused as a TCP port); a
     TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
@@ -381,6 +383,14 @@ def checked_address(address: str) -> str:
         if "\0" in path:
             raise InvalidArgumentError(
                 f"address {address!r}: its socket path holds a NUL character (%00)"
+            )
+        if "," in path:
+            # gRPC reads the path as a list of them, split at its commas (%2C too): the part
+            # after one a path of its own, relative to the working folder.
+            raise InvalidArgumentError(
+                f"address {address}: its socket path holds a comma, which gRPC reads (written "
+                "as %2C too) as the end of one socket path and the start of another: no "
+                "client reaches such a socket"
             )
         size = len(os.fsencode(path))
         if size > MAX_UNIX_PATH_BYTES:

@@ -386,6 +386,14 @@ class ServerConfig:
             raise ConfigError(
                 "server.socket and server.tcp_address are both empty: nothing to listen on"
             )
+        if "," in (path := os.path.abspath(self.socket) if self.socket else ""):
+            # gRPC binds it, but reads a client's address as a list split at its commas (%2C
+            # too): no client could reach the socket (kvtier.client's checked_address).
+            raise ConfigError(
+                f"config key 'server.socket': {path!r} holds a comma, which gRPC reads in an "
+                "address as the start of another socket path: no client could reach it; "
+                "choose a path without one"
+            )
         if self.tcp_address:
             try:
                 if ":" not in self.tcp_address:

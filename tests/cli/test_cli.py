@@ -1637,6 +1637,21 @@ def test_regression_an_address_no_daemon_can_have_was_taken(capsys, address, say
     assert code == 3 and says in err
 
 
+@pytest.mark.parametrize(
+    "address",
+    ["unix:/tmp/a,b/kvtierd.sock", "unix:///tmp/a%2Cb/kvtierd.sock", "unix:/tmp/x.sock,"],
+)
+def test_regression_a_unix_socket_path_with_a_comma_reached_another_socket(capsys, address):
+    """gRPC reads a Unix socket address as a list split at its commas (written as %2C too):
+    ``unix:/tmp/a,b/kvtierd.sock`` connected to ``/tmp/a`` or to ``b/kvtierd.sock`` in the
+    client's working folder, another daemon's socket perhaps, never to the path written. No
+    path with one can be written as an address: refused, naming the comma."""
+    says = "holds a comma"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and says in err
+
+
 @pytest.mark.parametrize("address", ["localhost\udcff:8080"])
 def test_regression_an_address_not_encodable_as_utf8_raised_unicode_encode_error(capsys, address):
     """An address with a byte that is not UTF-8 (in ``--address`` or ``$KVTIER_ADDRESS``,

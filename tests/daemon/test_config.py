@@ -628,6 +628,35 @@ def test_regression_a_socket_path_with_a_nul_byte_crashed_the_checks(tmp_path):
         assert "NUL" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_regression_a_socket_path_with_a_comma_was_served_where_no_client_could_reach(tmp_path):
+    """gRPC binds a Unix socket path holding a comma, but reads a client's address as a list
+    split at its commas (escaped as %2C too): the daemon started and served a socket no
+    client could connect to (``unix:/run/a,b/s.sock`` reached ``b/s.sock`` in the client's
+    working folder). Refused at start and by --check-config, exit 2, naming the key; a
+    relative path made absolute in a folder with one too."""
+    folder = tmp_path / "a,b"
+    folder.mkdir()
+    for cwd, socket_path in ((tmp_path, f"{folder}/s.sock"), (folder, "s.sock")):
+        for check in ([], ["--check-config"]):
+            sets = [
+                "--set",
+                f"server.socket={socket_path}",
+                "--set",
+                "tiers.l1.capacity_bytes=64MiB",
+            ]
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvtier.daemon", *sets, *check],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=cwd,
+            )
+            assert proc.returncode == 2, proc.stderr
+            assert "config key 'server.socket'" in proc.stderr, proc.stderr
+            assert "holds a comma" in proc.stderr and "Traceback" not in proc.stderr
+        assert not os.path.exists(folder / "s.sock")
+
+
 def test_regression_a_path_key_with_a_nul_byte_crashed_the_checks(tmp_path):
     """397a83a refused a NUL byte in server.socket alone: one in any other path (the L2
     folder, the shared-memory folder, a tenant's token file) still ended the host checks in
