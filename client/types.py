@@ -244,7 +244,7 @@ def resolve_address(address: str | None) -> str:
     address = (
         address or os.environ.get(ADDRESS_ENV) or paths.unix_address(paths.default_client_socket())
     )
-    if address.startswith("unix:") and not address.startswith("unix://"):
+    if _has_scheme(address, "unix:") and not _has_scheme(address, "unix://"):
         # An empty path stays empty (``checked_address`` refuses it): abspath made it the
         # working directory.
         path = unix_socket_path(address)
@@ -252,6 +252,12 @@ def resolve_address(address: str | None) -> str:
     if address.startswith("/") or address.startswith("."):
         return paths.unix_address(os.path.abspath(address))
     return address
+
+
+def _has_scheme(address: str, scheme: str) -> bool:
+    """Whether ``address`` starts with ``scheme`` ("unix:"), in any case, as gRPC reads a
+    target's scheme ("UNIX:/run/x.sock" is a Unix socket to it)."""
+    return address[: len(scheme)].lower() == scheme
 
 
 # sockaddr_un holds 108 bytes with the terminating NUL.
@@ -278,7 +284,7 @@ def _tcp_addresses(target: str) -> list[re.Match[str]]:
     fragment). A list's bad port failed each call with gRPC's UNKNOWN 'Failed to create
     channel', after its core printed a line of its own, no typed refusal as one address's."""
     for scheme in ("ipv4:", "ipv6:"):
-        if target[: len(scheme)].lower() == scheme and "," in target:  # "IPV4:" too
+        if _has_scheme(target, scheme) and "," in target:  # "IPV4:" too
             body = re.split("[?#]", target[len(scheme) :], maxsplit=1)[0]
             found = (_HOST_PORT.fullmatch(scheme + one) for one in body.split(","))
             return [tcp for tcp in found if tcp is not None]
@@ -298,10 +304,12 @@ def unix_socket_path(address: str) -> str | None:
     is) name the same kind of socket. gRPC decodes %XX escapes in it and drops a "?..." or
     "#..." after it (``unix:/run/a%20b.sock`` and ``unix:/run/a b.sock?x`` reach
     ``/run/a b.sock``): the credential socket and the CLI's hints read the raw text, and
-    named another file."""
-    if address.startswith("unix://"):
+    named another file. The scheme is read in any case ("UNIX:", "Unix:///"), as gRPC reads
+    it: only the lower-case one was, so such an address skipped the path checks and was
+    "not a Unix socket" to ``pool_address_problem``."""
+    if _has_scheme(address, "unix://"):
         return _uri_path(address[len("unix://") :])
-    if address.startswith("unix:"):
+    if _has_scheme(address, "unix:"):
         return _uri_path(address[len("unix:") :])
     return None
 
@@ -352,7 +360,7 @@ def checked_address(address: str) -> str:
             f"address {address!r}: holds a NUL character (gRPC would read it only up to there)"
         )
     path = unix_socket_path(address)
-    if address.startswith("unix-abstract:"):
+    if _has_scheme(address, "unix-abstract:"):
         # An abstract socket's name, read as a path is (digits alone were refused as a port).
         name = _uri_path(address[len("unix-abstract:") :])
         size = len(os.fsencode(name))
@@ -374,7 +382,7 @@ def checked_address(address: str) -> str:
     if path is not None:
         if not path:
             raise InvalidArgumentError(f"address {address!r} names no Unix socket path")
-        if address.startswith("unix://") and not address.startswith("unix:///"):
+        if _has_scheme(address, "unix://") and not _has_scheme(address, "unix:///"):
             # gRPC reads what follows "unix://" up to a "/" as a host, which the scheme has not.
             raise InvalidArgumentError(
                 f"address {address}: the URI form takes an absolute path (unix:///PATH); "

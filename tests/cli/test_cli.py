@@ -1867,6 +1867,33 @@ def test_regression_an_abstract_socket_name_of_digits_was_refused_as_a_port(caps
     assert code == 3 and says in err
 
 
+@pytest.mark.parametrize(
+    "address, says",
+    [
+        ("UNIX:", "names no Unix socket path"),
+        ("Unix://kvtierd.sock", "the URI form takes an absolute path"),
+        ("UNIX:/tmp/" + "x" * 120, "a Unix socket path holds at most 107 bytes"),
+        ("Unix:///tmp/a,b/kvtierd.sock", "holds a comma"),
+        ("UNIX-ABSTRACT:" + "9" * 108, "an abstract Unix socket name holds at most 107 bytes"),
+    ],
+)
+def test_regression_a_unix_scheme_in_capitals_skipped_the_socket_path_checks(capsys, address, says):
+    """gRPC reads "UNIX:" and "Unix:///" as "unix:" (6b51ee9 read "DNS:" so), but the client
+    read only the lower-case schemes as a Unix socket: its path checks were skipped (gRPC
+    failed each call untyped, or took the name of digits as a port), and
+    ``pool_address_problem`` said such a socket was not a Unix one. Read in any case."""
+    from kvtier.client.types import checked_address, pool_address_problem, unix_socket_path
+
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and says in err
+    for fine in ("UNIX:/tmp/kvtierd.sock", "Unix:///tmp/kvtierd.sock"):
+        assert unix_socket_path(fine) == "/tmp/kvtierd.sock"
+        assert pool_address_problem(fine) is None
+        assert checked_address(fine) == fine
+    assert checked_address("Unix-Abstract:99999") == "Unix-Abstract:99999"
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
