@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 import re
+import socket
 from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -278,18 +279,60 @@ _HOST_PORT = re.compile(
 )
 
 
+# The port of an "ipv4:"/"ipv6:" address as gRPC reads it (C's sscanf "%d"): spaces, a sign
+# (group 1: "-" or none) and digits, anything after them ignored.
+_IP_PORT = re.compile(r"\s*(?:\+|(-))?([0-9]+)")
+_IP_SCHEMES = {"ipv4:": (socket.AF_INET, "127.0.0.1:80"), "ipv6:": (socket.AF_INET6, "[::1]:80")}
+
+
 def _tcp_addresses(target: str) -> list[re.Match[str]]:
     """The TCP forms (``_HOST_PORT``) in a decoded target: itself, or each address of an
-    "ipv4:"/"ipv6:" list ("ipv4:10.0.0.1:80,10.0.0.2:80", which gRPC reads up to a query or
-    fragment). A list's bad port failed each call with gRPC's UNKNOWN 'Failed to create
-    channel', after its core printed a line of its own, no typed refusal as one address's."""
-    for scheme in ("ipv4:", "ipv6:"):
-        if _has_scheme(target, scheme) and "," in target:  # "IPV4:" too
+    "ipv4:"/"ipv6:" target, one or a list ("ipv4:10.0.0.1:80,10.0.0.2:80", which gRPC reads
+    up to a query or fragment; ``_ip_port``). A list's bad port failed each call with gRPC's
+    UNKNOWN 'Failed to create channel', after its core printed a line of its own, no typed
+    refusal as one address's. ValueError names what gRPC cannot read in such a target."""
+    for scheme, (family, example) in _IP_SCHEMES.items():
+        if _has_scheme(target, scheme):  # "IPV4:" too
             body = re.split("[?#]", target[len(scheme) :], maxsplit=1)[0]
-            found = (_HOST_PORT.fullmatch(scheme + one) for one in body.split(","))
-            return [tcp for tcp in found if tcp is not None]
+            if body.startswith("//"):
+                authority, _, body = body[2:].partition("/")
+                if authority:
+                    raise ValueError(
+                        f"gRPC reads no address and port in //{authority}/ (an authority, "
+                        f"which {scheme} takes none of)"
+                    )
+            # gRPC skips an empty address and drops one "/" before one.
+            hosts = (one.removeprefix("/") for one in body.split(",") if one)
+            return [_ip_port(one, family, f"{scheme}{example}") for one in hosts]
     tcp = _HOST_PORT.fullmatch(target)
     return [] if tcp is None else [tcp]
+
+
+def _ip_port(text: str, family: socket.AddressFamily, example: str) -> re.Match[str]:
+    """The port (``_IP_PORT``) of one address of an "ipv4:"/"ipv6:" target, or ValueError
+    where gRPC reads none: it takes an address of the scheme's family (an IPv6 one in
+    brackets, its zone an interface's name or number) and a port, nothing else ("ipv4:"'s
+    "127.0.0.1", " 127.0.0.1:80" or "localhost:80", "ipv6:"'s "::1:80" each failed every
+    call with UNKNOWN 'Failed to create channel', unchecked)."""
+    host, port = text, None
+    if family == socket.AF_INET6 and (bracketed := re.fullmatch(r"\[([^\]]*)\]:(.*)", text)):
+        host, port = bracketed.groups()
+        host, _, zone = host.partition("%")
+        if zone and not zone.isdigit():
+            try:
+                socket.if_nametoindex(zone)
+            except OSError:
+                port = None
+    elif family == socket.AF_INET and text.count(":") == 1:
+        host, port = text.split(":")
+    try:
+        socket.inet_pton(family, host)
+    except (OSError, ValueError):
+        port = None
+    found = None if port is None else _IP_PORT.match(port)
+    if found is None:
+        raise ValueError(f"gRPC reads no address and port in {text!r} (as {example})")
+    return found
 
 
 def _uri_path(text: str) -> str:
@@ -343,7 +386,7 @@ def checked_address(address: str) -> str:
     TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
     to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
     there; written with %XX escapes too, which gRPC decodes; in any address of an
-    "ipv4:"/"ipv6:" list, ``_tcp_addresses``); one not encodable as UTF-8 (a
+    "ipv4:"/"ipv6:" list, ``_tcp_addresses``, each of which must be one gRPC reads); one not encodable as UTF-8 (a
     byte that is not, decoded by Python from ``--address`` or ``$KVTIER_ADDRESS``), which
     gRPC cannot take (UnicodeEncodeError; a Unix socket path's such bytes ``resolve_address``
     writes as escapes); one holding a NUL character, which gRPC reads
@@ -370,7 +413,11 @@ def checked_address(address: str) -> str:
                 f"{MAX_UNIX_PATH_BYTES} bytes, this one {size}"
             )
     elif path is None:
-        for tcp in _tcp_addresses(unquote(address)):
+        try:
+            found = _tcp_addresses(unquote(address))
+        except ValueError as e:
+            raise InvalidArgumentError(f"address {address}: {e}") from None
+        for tcp in found:
             # Read as a number only where it may be a port: int() refuses one past 4,300
             # digits (Python's ValueError, untyped).
             minus, digits = tcp.group(1) or "", tcp.group(2)

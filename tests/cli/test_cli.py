@@ -1738,6 +1738,66 @@ def test_regression_a_bad_port_in_an_address_list_failed_untyped(capsys, address
     _port_refused(capsys, address, port, "ipv4:127.0.0.1:1,127.0.0.1:8080?x")
 
 
+# Addresses of the "ipv4:"/"ipv6:" schemes that gRPC cannot read (it fails every call with
+# UNKNOWN 'Failed to create channel'), and ones it reads.
+_IP_UNREADABLE = [
+    "ipv4:127.0.0.1:1,127.0.0.1",
+    "ipv4:127.0.0.1:1, 127.0.0.1:1",
+    "ipv4:127.0.0.1:1,%20127.0.0.1:1",
+    "ipv4:127.0.0.1",
+    "ipv4:localhost:1",
+    "ipv4:127.0.0.1:1,[127.0.0.1]:1",
+    "ipv4:127.0.0.1:1,127.0.0.1:",
+    "ipv4:127.0.0.1:abc",
+    "ipv4://127.0.0.1:1",
+    "ipv4:127.0.0.1:1,//127.0.0.1:1",
+    "ipv6:[::1]:1,::1:1",
+    "ipv6:[::1]:1,[::1]",
+    "ipv6:::1",
+    "ipv6:[::1]:1,127.0.0.1:1",
+    "ipv6:[127.0.0.1]:1",
+    "IPV4:127.0.0.1:1,127.0.0.1",
+]
+_IP_READABLE = [
+    "ipv4:127.0.0.1:1,,127.0.0.1:1,",
+    "ipv4:///127.0.0.1:1,/127.0.0.1:1",
+    "ipv4:127.0.0.1: 1,127.0.0.1:1/",
+    "ipv4:,",
+    "ipv6:[::1]:1,[::ffff:127.0.0.1]:1",
+    "IPV6:[::1]:1?x,y",
+]
+
+
+@pytest.mark.parametrize("address", _IP_UNREADABLE)
+def test_regression_an_unreadable_ipv4_or_ipv6_address_failed_every_call_untyped(capsys, address):
+    """The port check read an "ipv4:"/"ipv6:" address, or each of a list's, only where it
+    matched "host:port": one with no port, a space before it, or not an address of the
+    scheme's family (an unbracketed IPv6 one) was left to gRPC, which failed every call with
+    UNKNOWN 'Failed to create channel' (after its core printed a line of its own). Each is
+    refused, naming the address (empty ones gRPC skips, and so does the check)."""
+    says = "gRPC reads no address and port in"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and says in err
+
+
+def test_the_ipv4_and_ipv6_addresses_refused_are_those_grpc_cannot_read():
+    """What the check refuses and takes, against gRPC's own reading (no server listens at
+    port 1: a channel gRPC could make fails to connect, one it could not fails to exist)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvtier.client.types import checked_address
+
+    for address in _IP_UNREADABLE + _IP_READABLE:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        unreadable = "Failed to create channel" in (info.value.details() or "")
+        assert unreadable == (address in _IP_UNREADABLE), (address, info.value)
+    for address in _IP_READABLE:
+        assert checked_address(address) == address
+
+
 @pytest.mark.parametrize(
     "address, port",
     [
