@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
-from collections.abc import Sequence, Sized
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,8 +47,10 @@ def as_int(value: object) -> int | None:
 
 def sequence_len(values: Sized, what: str) -> int:
     """``len(values)``; InvalidArgumentError naming ``what`` unless ``values`` is a sequence
-    (a list, a range, an array: what the flows slice into batches), not a str or bytes."""
-    if isinstance(values, (str, bytes)) or not hasattr(type(values), "__getitem__"):
+    (a list, a range, an array: what the flows slice into batches), not a str or bytes, nor a
+    mapping (a dict has a length and ``__getitem__``, but is read by its keys: ``extras[0]``
+    raised KeyError, or read a dict keyed 0, 1, ... as a list)."""
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(type(values), "__getitem__"):
         raise InvalidArgumentError(f"{what}: expected a sequence, not {type(values).__name__}")
     try:
         return len(values)

@@ -168,6 +168,21 @@ def test_regression_extras_that_were_no_sequence_raised_type_error(call, says):
         call()
 
 
+@pytest.mark.parametrize("extras", [{b"a": b"", b"b": b""}, {0: b"", 1: b"x"}])
+def test_regression_extras_as_a_mapping_raised_key_error(extras):
+    """A dict has a length and ``__getitem__``, so it passed as a sequence: ``extras[0]`` of
+    one keyed by anything but the block numbers raised Python's KeyError, naming no argument,
+    and one keyed by them was read as a list. A mapping is refused as no sequence (the keys,
+    pages and segments of a transfer too)."""
+    from kvtier.client.keys import sequence_len
+
+    says = r"^extras: expected a sequence, not dict$"
+    with pytest.raises(InvalidArgumentError, match=says):
+        block_keys(LLAMA, list(range(8)), extras)
+    with pytest.raises(InvalidArgumentError, match=r"^keys: expected a sequence, not dict$"):
+        sequence_len(extras, "keys")
+
+
 def test_regression_a_bytearray_or_memoryview_parent_or_extra_was_refused():
     """``parent`` and ``extra`` are "bytes" (their annotations; the README's spec: "the
     block's extra bytes"), and a type checker takes a bytearray or a memoryview for them, but
