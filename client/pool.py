@@ -41,6 +41,8 @@ DEFAULT_SHM_DIR = "/dev/shm"
 BACKINGS = ("memfd", "shm")
 # The largest file size ftruncate takes (an off_t): a larger size raised OverflowError.
 MAX_SIZE_BYTES = 2**63 - 1
+# Linux's limit on a memfd's name: with its "memfd:" prefix, one file name (255 bytes).
+MAX_MEMFD_NAME_BYTES = 249
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -48,8 +50,8 @@ class SharedMemoryPool:
     """A shared memory region of ``size_bytes``, created fresh and pre-faulted.
 
     ``backing`` is ``"memfd"`` (the default unless a ``name`` is given) or ``"shm"``; ``name``
-    is the /dev/shm object's name (random if None) or the memfd's label. ``seal=False``
-    leaves a memfd resizable. An argument of the wrong type or out of range is
+    is the /dev/shm object's name (random if None) or the memfd's label (at most
+    ``MAX_MEMFD_NAME_BYTES``). ``seal=False`` leaves a memfd resizable. An argument of the wrong type or out of range is
     ``InvalidArgumentError`` (a ValueError) naming it. The memory lives until every mapping
     (the daemon's included) is gone. Once ``close()`` ran, ``array()``, ``tensor()`` and
     registering the pool (again,
@@ -96,6 +98,11 @@ class SharedMemoryPool:
                 raise InvalidArgumentError(
                     f"name: {name!r} holds a '/': a shared-memory object's name is one file name"
                 )
+        elif name is not None and (size := len(os.fsencode(name))) > MAX_MEMFD_NAME_BYTES:
+            # memfd_create failed with a bare OSError (EINVAL) naming nothing.
+            raise InvalidArgumentError(
+                f"name: a memfd's name holds at most {MAX_MEMFD_NAME_BYTES} bytes, this one {size}"
+            )
         self.backing = backing
         self.name = name or f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
         self.size_bytes = size_bytes

@@ -540,6 +540,18 @@ def test_regression_a_shared_memory_pools_bad_arguments_raised_pythons_errors(kw
         SharedMemoryPool(**kwargs).close()
 
 
+@pytest.mark.parametrize("name", ["x" * 250, "\u00e9" * 125])
+def test_regression_a_memfd_name_over_249_bytes_raised_oserror(name):
+    """Linux takes a memfd's name up to 249 bytes (its "memfd:" prefix and the name fill a
+    file name): a longer one raised a bare OSError (EINVAL, "Invalid argument") from the
+    constructor, naming neither the name nor the limit. InvalidArgumentError naming both;
+    one of 249 bytes is taken."""
+    says = rf"^name: a memfd's name holds at most 249 bytes, this one {len(name.encode())}$"
+    with pytest.raises(InvalidArgumentError, match=says):
+        SharedMemoryPool(4096, name=name, backing="memfd").close()
+    SharedMemoryPool(4096, name="x" * 249, backing="memfd").close()
+
+
 def test_a_token_file_this_user_may_not_read_is_permission_denied(tmp_path):
     """Open raised a bare PermissionError (an OSError, no KvtierError) from the constructor."""
     secret = tmp_path / "secret.token"
