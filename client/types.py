@@ -261,6 +261,11 @@ def _has_scheme(address: str, scheme: str) -> bool:
     return address[: len(scheme)].lower() == scheme
 
 
+# Why a Unix socket's path or abstract name may hold no comma: gRPC reads one as a list.
+_COMMA_SPLITS = (
+    "holds a comma, which gRPC reads (written as %2C too) as the end of one socket's name "
+    "and the start of another: no client reaches such a socket"
+)
 # sockaddr_un holds 108 bytes with the terminating NUL.
 MAX_UNIX_PATH_BYTES = 107
 
@@ -382,7 +387,7 @@ def checked_address(address: str) -> str:
     one holding a comma, which gRPC splits it at ("unix:/run/a,b/x.sock" reached the socket
     "b/x.sock" in the working folder, another daemon's perhaps, and %2C is split too), each
     read as gRPC reads it (``unix_socket_path``); an abstract socket's name too long for one
-    (digits alone were refused as a TCP port); a
+    (digits alone were refused as a TCP port) or holding a comma, split as a path's is; a
     TCP port past 65535 or negative (gRPC took it modulo 65536: ``localhost:99999`` connected
     to port 34463, ``localhost:-1`` to 65535, and sent a tenant's token to whatever listened
     there; written with %XX escapes too, which gRPC decodes; in any address of an
@@ -406,6 +411,10 @@ def checked_address(address: str) -> str:
     if _has_scheme(address, "unix-abstract:"):
         # An abstract socket's name, read as a path is (digits alone were refused as a port).
         name = _uri_path(address[len("unix-abstract:") :])
+        if "," in name:  # split as a path is
+            raise InvalidArgumentError(
+                f"address {address}: its abstract socket name {_COMMA_SPLITS}"
+            )
         size = len(os.fsencode(name))
         if size > MAX_UNIX_PATH_BYTES:
             raise InvalidArgumentError(
@@ -442,11 +451,7 @@ def checked_address(address: str) -> str:
         if "," in path:
             # gRPC reads the path as a list of them, split at its commas (%2C too): the part
             # after one a path of its own, relative to the working folder.
-            raise InvalidArgumentError(
-                f"address {address}: its socket path holds a comma, which gRPC reads (written "
-                "as %2C too) as the end of one socket path and the start of another: no "
-                "client reaches such a socket"
-            )
+            raise InvalidArgumentError(f"address {address}: its socket path {_COMMA_SPLITS}")
         size = len(os.fsencode(path))
         if size > MAX_UNIX_PATH_BYTES:
             raise InvalidArgumentError(

@@ -1954,6 +1954,17 @@ def test_regression_a_unix_scheme_in_capitals_skipped_the_socket_path_checks(cap
     assert checked_address("Unix-Abstract:99999") == "Unix-Abstract:99999"
 
 
+@pytest.mark.parametrize("address", ["unix-abstract:kvtier,b", "Unix-Abstract:kvtier%2Cb"])
+def test_regression_an_abstract_socket_name_with_a_comma_reached_another_socket(capsys, address):
+    """gRPC reads an abstract socket's name as a list split at its commas (%2C too), as it
+    reads a socket path: ``unix-abstract:kvtier,b`` connected to "kvtier" or "b", never to
+    the name written, which gRPC's server binds as written. Refused, naming the comma."""
+    says = "its abstract socket name holds a comma"
+    _refused_by_every_client(address, says)
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and says in err
+
+
 def test_regression_an_address_whose_port_has_more_than_4300_digits_was_untyped(capsys):
     """The port check read the port with ``int()``, which Python refuses past 4,300 digits:
     ``Client("localhost:999...")`` raised that ValueError (no client error), and the CLI
