@@ -284,32 +284,40 @@ _HOST_PORT = re.compile(
 )
 
 
-# The port of an "ipv4:"/"ipv6:" address as gRPC reads it (C's sscanf "%d"): spaces, a sign
-# (group 1: "-" or none) and digits, anything after them ignored.
-_IP_PORT = re.compile(r"\s*(?:\+|(-))?([0-9]+)")
+# The port of an "ipv4:"/"ipv6:" address as gRPC reads it (C's sscanf "%d"): spaces (C's:
+# Python's \s takes others too), a sign (group 1: "-" or none) and digits, anything after
+# them ignored.
+_IP_PORT = re.compile(r"[ \t\n\v\f\r]*(?:\+|(-))?([0-9]+)")
+# An IPv6 zone as a number (gRPC reads a uint32; another zone names an interface).
+_ZONE_INDEX = re.compile(r"0*([0-9]{1,10})")
 _IP_SCHEMES = {"ipv4:": (socket.AF_INET, "127.0.0.1:80"), "ipv6:": (socket.AF_INET6, "[::1]:80")}
 
 
 def _tcp_addresses(target: str) -> list[re.Match[str]]:
-    """The TCP forms (``_HOST_PORT``) in a decoded target: itself, or each address of an
-    "ipv4:"/"ipv6:" target, one or a list ("ipv4:10.0.0.1:80,10.0.0.2:80", which gRPC reads
-    up to a query or fragment; ``_ip_port``). A list's bad port failed each call with gRPC's
-    UNKNOWN 'Failed to create channel', after its core printed a line of its own, no typed
-    refusal as one address's. ValueError names what gRPC cannot read in such a target."""
+    """The TCP forms (``_HOST_PORT``) in a target: itself, its %XX escapes decoded, or each
+    address of an "ipv4:"/"ipv6:" target, one or a list ("ipv4:10.0.0.1:80,10.0.0.2:80",
+    which gRPC reads up to a query or fragment; ``_ip_port``). A list's bad port failed each
+    call with gRPC's UNKNOWN 'Failed to create channel', after its core printed a line of its
+    own, no typed refusal as one address's. ValueError names what gRPC cannot read in such a
+    target. gRPC splits a target into its parts as written, and decodes each after: a "?" or
+    "#" written as %3F or %23 is in the path, and an authority's "//" and "/" are no %2F; the
+    path after an empty authority keeps its "/" ("ipv4:////127.0.0.1:80" reads
+    "//127.0.0.1:80"): each was read decoded first, or one "/" short, and taken."""
     for scheme, (family, example) in _IP_SCHEMES.items():
         if _has_scheme(target, scheme):  # "IPV4:" too
             body = re.split("[?#]", target[len(scheme) :], maxsplit=1)[0]
             if body.startswith("//"):
-                authority, _, body = body[2:].partition("/")
+                authority, slash, body = body[2:].partition("/")
                 if authority:
                     raise ValueError(
-                        f"gRPC reads no address and port in //{authority}/ (an authority, "
-                        f"which {scheme} takes none of)"
+                        f"gRPC reads no address and port in //{unquote(authority)}/ (an "
+                        f"authority, which {scheme} takes none of)"
                     )
+                body = slash + body
             # gRPC skips an empty address and drops one "/" before one.
-            hosts = (one.removeprefix("/") for one in body.split(",") if one)
+            hosts = (one.removeprefix("/") for one in unquote(body).split(",") if one)
             return [_ip_port(one, family, f"{scheme}{example}") for one in hosts]
-    tcp = _HOST_PORT.fullmatch(target)
+    tcp = _HOST_PORT.fullmatch(unquote(target))
     return [] if tcp is None else [tcp]
 
 
@@ -322,12 +330,16 @@ def _ip_port(text: str, family: socket.AddressFamily, example: str) -> re.Match[
     host, port = text, None
     if family == socket.AF_INET6 and (bracketed := re.fullmatch(r"\[([^\]]*)\]:(.*)", text)):
         host, port = bracketed.groups()
-        host, _, zone = host.partition("%")
-        if zone and not zone.isdigit():
-            try:
-                socket.if_nametoindex(zone)
-            except OSError:
-                port = None
+        if "%" in host:  # gRPC reads the zone after the last one
+            host, _, zone = host.rpartition("%")
+            # A number up to 2**32 - 1 (Python's isdigit() took other digits, and more);
+            # else an interface's name (an empty zone is none).
+            index = _ZONE_INDEX.fullmatch(zone)
+            if index is None or int(index.group(1)) >= 2**32:
+                try:
+                    socket.if_nametoindex(zone)
+                except (OSError, ValueError):
+                    port = None
     elif family == socket.AF_INET and text.count(":") == 1:
         host, port = text.split(":")
     try:
@@ -423,7 +435,7 @@ def checked_address(address: str) -> str:
             )
     elif path is None:
         try:
-            found = _tcp_addresses(unquote(address))
+            found = _tcp_addresses(address)
         except ValueError as e:
             raise InvalidArgumentError(f"address {address}: {e}") from None
         for tcp in found:
