@@ -1595,8 +1595,17 @@ def build_config(raw: dict[str, Any]) -> Config:
             raise ConfigError(f"config section '{old}' is now '{new}' (see deploy/kvtier.yaml)")
     config = _build_section("", Config, raw)
     if config.server.socket == AUTO_SOCKET:
+        socket = paths.daemon_socket()
+        if "," in socket:
+            # Said here, where the path's origin is known: the check below names only the key.
+            raise ConfigError(
+                f"config key 'server.socket': auto chose {socket!r} (under $RUNTIME_DIRECTORY "
+                "or $XDG_RUNTIME_DIR, else /tmp), which holds a comma: gRPC reads one in an "
+                "address as the start of another socket path, so no client could reach it; "
+                "set server.socket to a path without one"
+            )
         config = dataclasses.replace(
-            config, server=dataclasses.replace(config.server, socket=paths.daemon_socket())
+            config, server=dataclasses.replace(config.server, socket=socket)
         )
     check_config(config)
     _check_enabled_said(raw.get("tiers"))

@@ -10,7 +10,7 @@ import pytest
 from harness import run_into_closed_pipe
 
 from kvtier import paths
-from kvtier.daemon.config import Config, env_name, load_config, parse_size
+from kvtier.daemon.config import Config, build_config, env_name, load_config, parse_size
 from kvtier.daemon.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -655,6 +655,16 @@ def test_regression_a_socket_path_with_a_comma_was_served_where_no_client_could_
             assert "config key 'server.socket'" in proc.stderr, proc.stderr
             assert "holds a comma" in proc.stderr and "Traceback" not in proc.stderr
         assert not os.path.exists(folder / "s.sock")
+
+
+def test_a_default_socket_with_a_comma_says_auto_chose_it(tmp_path, monkeypatch):
+    """``server.socket: auto`` under a runtime folder holding a comma: the refusal says the
+    path is the one auto chose (the operator set no socket), and what to set instead."""
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "a,b"))
+    with pytest.raises(ConfigError, match=r"server\.socket': auto chose .*a,b.* holds a comma"):
+        build_config({})
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "ab"))
+    assert build_config({}).server.socket == str(tmp_path / "ab" / paths.SOCKET_NAME)
 
 
 def test_regression_a_path_key_with_a_nul_byte_crashed_the_checks(tmp_path):
