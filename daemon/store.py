@@ -2116,18 +2116,49 @@ class BlockStore:
         # Every tier's slots are on their way back before the first await: a Delete
         # cancelled meanwhile leaves none taken, and each hold lasts until its slots are free.
         freeing = [
-            self.space.free_held(level, released[level.kind], held, refs=held_refs)
+            (level, self.space.free_held(level, released[level.kind], held, refs=held_refs))
             for level, held, held_refs in holds
             if level.kind in released
         ]
-        for task in freeing:
-            await asyncio.shield(task)
+        unfreed = [level.kind for level, task in freeing if not await asyncio.shield(task)]
         if removal is not None:
             await asyncio.shield(removal)
         deleted = int(np.count_nonzero(~busy))
         self.space.misses.discard(table.identities(ns, words))  # deleted on purpose: "absent"
         self.counters.inc("deleted_blocks", deleted)
+        await self._rows_gone(ns, words, unfreed)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
+
+    async def _rows_gone(self, ns: int, words: np.ndarray, unfreed: list[TierKind]) -> None:
+        """Before a Delete of ``words`` is answered: no persistent tier's index keeps a row
+        of one of the keys, which a restart would bring back (a Get serving bytes the client
+        was told were deleted). Their rows in slots still on their way out (an earlier
+        eviction's or Delete's free that failed, or is still running) are deleted now
+        (``SlotTier.drop_rows_left``). Raises Unavailable, the Delete not acknowledged, where
+        this Delete's own free failed (``unfreed``'s tiers: retried in the background)
+        or those rows cannot be deleted: the keys are gone from the table already (the
+        message says so), and the client's retry deletes the rows once the index takes
+        commits again (until then it fails so too)."""
+        refs: Sequence[BlockRef] | None = None
+        for level in self.stack.levels:
+            if not level.persistent or level.keyed:
+                continue
+            freed = level.kind not in unfreed
+            if freed:
+                if refs is None:
+                    refs = BlockRefs(np.full(len(words), ns, dtype=np.uint64), words)
+                if not level.slots.rows_left(refs):
+                    continue
+                freed = bool(
+                    await self.transfers.run(Priority.DEMAND, level.slots.drop_rows_left, refs)
+                )
+            if not freed:
+                raise Unavailable(
+                    f"{level.label} could not delete the keys' rows from its index (see its "
+                    "health: another process holds it locked, or the disk is full): the keys "
+                    "are dropped here, but a restart would bring the blocks back; retry the "
+                    "delete"
+                )
 
     async def _remove_keyed(self, refs: list[BlockRef]) -> None:
         """Remove ``refs`` from every key-addressed tier (each takes its removal before this

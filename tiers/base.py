@@ -571,6 +571,20 @@ class SlotTier(Protocol):
         block commit of any key deletes the rows. Volatile tiers do nothing."""
         ...
 
+    def rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        """Whether a persistent tier's index may still hold a row of one of ``refs``' keys in
+        a slot on its way to ``remove`` or whose ``remove`` failed (``removing``; one noted
+        without its key may hold any key's): a restart would bring that block back. A lookup
+        per key, on the caller's thread. Volatile tiers: False."""
+        ...
+
+    def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        """Delete, in one commit, the rows ``rows_left`` finds for ``refs``' keys, as a block
+        commit of those keys does (``removing``): nothing freed, their ``remove`` frees the
+        slots. False where the commit failed: the rows may still be there. I/O: called on a
+        worker thread. Volatile tiers: True."""
+        ...
+
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         """The blocks a persistent tier holds from before this start, a chunk at a time, once.
         Their slots are claimed as they are handed over; until the last chunk is out the

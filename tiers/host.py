@@ -156,6 +156,12 @@ class HostArena:
     def removing(self, slots: Sequence[int], refs: Sequence[BlockRef] | None = None) -> None:
         pass  # no rows: nothing survives a restart
 
+    def rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        return False
+
+    def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        return True
+
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         return iter(())
 

@@ -196,6 +196,27 @@ class MemoryTier:
             for slot, key in zip(slots, keys, strict=True):
                 self._unremoved_rows.setdefault(int(slot), key)
 
+    def rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        with self._lock:
+            return bool(self._rows_of(refs))
+
+    def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        if self.fail_removes:  # the index takes no deletion
+            return False
+        with self._lock:
+            for slot in self._rows_of(refs):
+                self._medium.index.pop(slot, None)
+                del self._unremoved_rows[slot]
+        return True
+
+    def _rows_of(self, refs: Sequence[BlockRef]) -> list[int]:
+        """The slots of ``_unremoved_rows`` that may hold a row of ``refs``' keys; the lock
+        held."""
+        if not self._unremoved_rows:
+            return []
+        named = {bytes(ref[1]) for ref in refs}
+        return [s for s, key in self._unremoved_rows.items() if key is None or key in named]
+
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         out, self._recovered = self._recovered, []
         for start in range(0, len(out), rows):

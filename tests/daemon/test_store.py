@@ -3011,6 +3011,13 @@ async def _got_once_off_l1(store, pool, clock, key) -> bytes:
     return page_bytes(pool, 10)
 
 
+async def _delete_unfreed(store, words) -> None:
+    """Delete ``words`` (namespace 0) where L2 cannot free their slots: the blocks leave the
+    table, their rows stay for the retry of the free, and the Delete is not acknowledged."""
+    with pytest.raises(Unavailable, match="a restart would bring the blocks back"):
+        await store.delete(0, words)
+
+
 async def _a_key_with_two_rows(make_store, clock):
     """A key put (page 0's bytes), three others, the key deleted where its L2 free failed,
     then put again with page 5's bytes: returns the L2 tier, the pool, the key and a copy of
@@ -3023,7 +3030,7 @@ async def _a_key_with_two_rows(make_store, clock):
     assert (await put(store, pool, key, durable=True))[1] == [True]
     assert (await put(store, pool, others, pages=range(1, 4), durable=True))[1] == [True] * 3
     l2.fail_removes = True
-    assert (await store.delete(0, key)).deleted == 1
+    await _delete_unfreed(store, key)
     await store.space.drain()
     first_row = dict(l2._medium.index)
     assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
@@ -3094,7 +3101,7 @@ async def test_regression_a_put_over_a_key_whose_free_failed_left_its_older_row_
     assert (await put(store, pool, key, durable=True))[1] == [True]
     assert (await put(store, pool, keys(3), pages=range(1, 4), durable=True))[1] == [True] * 3
     l2.fail_removes = True
-    assert (await store.delete(0, key)).deleted == 1
+    await _delete_unfreed(store, key)
     await store.space.drain()
     assert (await put(store, pool, key, pages=[5], durable=True))[1] == [True]
     put_last = page_bytes(pool, 5)
@@ -4084,11 +4091,11 @@ async def test_regression_a_slot_free_that_failed_ended_its_quota_hold(
             raise OSError("the disk went away")
 
         monkeypatch.setattr(l2, "remove", remove)
-        assert (await store.delete(0, mine[:1])).deleted == 1  # logged, not raised
+        await _delete_unfreed(store, mine[:1])  # logged
         monkeypatch.undo()
     else:
         l2.fail_removes = True
-        assert (await store.delete(0, mine[:1])).deleted == 1
+        await _delete_unfreed(store, mine[:1])
         l2.fail_removes = False
     assert level.slots.allocator.used_slots == 16  # the deleted copy's slot is still taken
     assert store.space.quota_held[(1, TierKind.DISK)] == 4096
@@ -4117,7 +4124,7 @@ async def test_regression_the_stop_tries_the_frees_a_persistent_tier_could_not_d
     _, persisted = await store.put(pool, 0, ks, np.arange(4), None, durable=True)
     assert persisted.all()
     l2.fail_removes = True
-    assert (await store.delete(0, ks[:2])).deleted == 2
+    await _delete_unfreed(store, ks[:2])
     await store.space.drain()
     assert len(store.space.unfreed[TierKind.DISK].slots) == 2
     with caplog.at_level(logging.WARNING, logger="kvtier.daemon.space"):
@@ -6064,7 +6071,7 @@ async def test_regression_a_retried_free_logged_under_the_request_that_started_i
     assert persisted.all()
     l2.fail_removes = True
     with logs.request_context("req-a", "s-a", 1):
-        assert (await store.delete(0, ks[:2])).deleted == 2
+        await _delete_unfreed(store, ks[:2])
     await store.space.drain()
     l2.fail_removes = False
     caplog.handler.addFilter(logs.RequestContextFilter())
@@ -6444,7 +6451,7 @@ async def test_regression_a_put_whose_block_recovery_moved_to_a_later_row_took_i
     key = keys(1)
     assert (await put(store, pool, key, durable=True))[1] == [True]
     l2.fail_removes = True
-    assert (await store.delete(0, key)).deleted == 1
+    await _delete_unfreed(store, key)
     await store.space.drain()
     first_row = dict(l2._medium.index)
     assert (await put(store, small, key, pages=[3], durable=True))[1] == [True]
@@ -6637,3 +6644,81 @@ async def test_regression_a_failed_put_of_another_size_kept_the_recovered_copy_a
     assert await get(again, small, key, [20]) == [True]
     assert page_bytes(small, 20) == want
     assert again.check() == []
+
+
+@contextlib.contextmanager
+def _index_locked(disk):
+    """Within the block, another connection holds ``disk``'s index in a write transaction (an
+    operator's ``sqlite3`` shell): the tier's commits fail as busy."""
+    other = sqlite3.connect(disk.directory / "index.sqlite3", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        other.close()
+
+
+async def _crash_restart(make_store, tmp_path, clock, name: str):
+    """A store made on a copy of ``tmp_path / "l2"`` as a crash (SIGKILL) now would leave it
+    (the index with its WAL, the data files), recovered."""
+    import shutil
+
+    shutil.copytree(tmp_path / "l2", tmp_path / name / "l2")
+    again = make_store(clock, l2=_open_l2(tmp_path / name))
+    await again.recover()
+    return again
+
+
+async def test_regression_a_delete_whose_l2_rows_a_locked_index_kept_came_back_after_a_crash(
+    make_store, tmp_path, monkeypatch
+):
+    """A Delete whose removal from L2 failed (the index locked by another process past the
+    busy timeout; a full disk past the reserve) was acknowledged all the same, its rows left
+    to a background retry (1-60 s later): a crash before that retry brought the deleted
+    blocks back at the next start, and a Get served bytes the client had been told were
+    deleted. Now such a Delete fails (UNAVAILABLE), and so does its retry while the rows are
+    still in the index (no "missing" for a key its tier still holds a row of); the retry once
+    the index takes commits again deletes the rows, and no crash brings them back."""
+    from kvtier.tiers.disk import index as index_module
+
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    clock = Clock()
+    disk = _open_l2(tmp_path)
+    store, pool = make_store(clock, l2=disk), make_pool()
+    await store.recover()
+    chain = keys(4)
+    _, persisted = await store.put(pool, 0, chain, np.arange(4), None, durable=True)
+    assert persisted.all()
+    with _index_locked(disk):
+        with pytest.raises(Unavailable, match="L2"):
+            await store.delete(0, chain)
+        with pytest.raises(Unavailable, match="L2"):
+            await store.delete(0, chain)  # the client's retry: the rows are still there
+    crashed = await _crash_restart(make_store, tmp_path, clock, "locked")
+    assert (crashed.table.lookup(0, chain) >= 0).all()  # not acknowledged: may come back
+    result = await store.delete(0, chain)  # the lock let go: the retry goes through
+    assert result.busy == 0
+    crashed = await _crash_restart(make_store, tmp_path, clock, "after")
+    assert (crashed.table.lookup(0, chain) < 0).all()
+
+
+async def test_regression_a_delete_of_a_key_whose_l2_eviction_was_not_freed_came_back(make_store):
+    """A key evicted from L2 where the tier could not free its slot (its row kept for the
+    background retry), then deleted: the Delete, finding only the L1 copy, was answered, and
+    a crash before the retry brought the key back from L2's row. The Delete now deletes that
+    row first, and fails UNAVAILABLE while it cannot."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    l2.fail_removes = True
+    assert (await store.evict(0, key, TierKind.DISK)).evicted == 1
+    await store.space.drain()
+    assert where(store, key) == ["L1"]
+    await _delete_unfreed(store, key)
+    assert [r.key for r in l2._medium.index.values()] == [key[0].tobytes()]  # a crash: back
+    l2.fail_removes = False
+    assert (await store.delete(0, key)).missing == 1  # the retry: the row goes first
+    assert not l2._medium.index
+    assert l2.reopen().recover().keys.size == 0

@@ -1077,6 +1077,42 @@ class DiskTier:
                 known[slot] = key
                 of_key[key] = slot
 
+    def rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        """Whether the index may hold a row of one of ``refs``' keys in a slot of
+        ``_unremoved``: one noted with such a key, or any noted without (``_unkeyed``)."""
+        with self._state_lock:
+            if self._unkeyed:
+                return True
+            of_key = self._unremoved_of_key
+            return bool(of_key) and any(k in of_key for k in ref_keys(refs))
+
+    def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
+        """Delete the rows ``rows_left`` finds for ``refs``' keys in one commit (on a full disk
+        on the reserve, as a removal's: ``_delete_rows``), as a block commit of those keys
+        deletes them (``_make_durable``): nothing freed, their ``remove`` frees the slots with
+        no write transaction. False where the commit failed (the tier's fault, as a failed
+        removal's): the rows may still be there."""
+        self._check_open()
+        keys = ref_keys(refs)
+        mine: list[int] = []
+        try:
+            # Read and forgotten holding the index: a slot freed since is not here, and one
+            # here is not freed before its row is gone (``remove`` deletes first).
+            with self._idx().held():
+                with self._state_lock:
+                    of_key = self._unremoved_of_key
+                    mine = sorted(self._unkeyed.union([of_key[k] for k in keys if k in of_key]))
+                if mine:
+                    self._delete_rows(mine)
+                with self._state_lock:
+                    self._forget_unremoved(mine)
+                    self._committed.discard(mine)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index delete")
+            self.faults.count(remove_failures=len(mine))
+            return False
+        return True
+
     def _forget_unremoved(self, slots: Iterable[int]) -> None:
         """Take ``slots`` off ``_unremoved`` (their rows are gone); the state lock held."""
         known, of_key = self._unremoved_keys, self._unremoved_of_key
