@@ -457,3 +457,93 @@ def test_regression_a_folder_at_the_l2_index_journal_moved_a_healthy_index_aside
     d.start()
     with d.client() as client:
         assert client.lookup(ks).tiers == [Tier.L2_DISK] * 4
+
+
+def _address_space_short_of(l1_bytes: int) -> tuple[str, ...]:
+    """A daemon entry whose address space (RLIMIT_AS) holds what kvtierd maps up to its L1
+    arena but not an arena of ``l1_bytes``: the host checks (memory, the cgroup's limit) pass
+    and the start is refused after L2 opened, L1's map failing (ENOMEM), as where host memory
+    ran short between the checks and the map."""
+    lines = [
+        "import resource, sys",
+        "from kvtier.daemon.entry import main",
+        "with open('/proc/self/status') as f:",
+        "    vm = next(int(x.split()[1]) for x in f if x.startswith('VmSize:')) << 10",
+        f"limit = vm + {l1_bytes // 2}",
+        "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))",
+        "sys.exit(main())",
+    ]
+    return ("-c", "\n".join(lines))
+
+
+def test_regression_a_start_after_one_refused_past_making_a_new_index_said_nothing_of_the_loss(
+    daemon_factory, tmp_path
+):
+    """A damaged index moved aside by a start that made a new, empty one and was then refused
+    (L2 opens before L1, whose map failed): that start's log said the blocks were lost, but
+    the next start found an index as any other beside the data files and said nothing, its
+    health OK. The new index now records when and why it was made, until its first block
+    commits, and each start until then says so (log, health detail)."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2))
+    ks, _ = _persisted(d, 4, 468)
+    assert d.stop() == 0
+    (l2 / "index.sqlite3").write_bytes(b"not an index" * 512)
+    l1_bytes = 4 << 30
+    refused = daemon_factory(
+        *l2_args(l2), l1_bytes=str(l1_bytes), wait=False, entry=_address_space_short_of(l1_bytes)
+    )
+    assert refused.proc is not None and refused.proc.wait(60) == 1, refused.log()
+    assert "cannot start" in refused.log(), refused.log()
+    [aside] = list(l2.glob("index.sqlite3.corrupt-*"))
+    assert (l2 / "index.sqlite3").exists()  # made, empty
+    before = len(d.log())
+    d.start()
+    said = d.log()[before:]
+    assert "was made empty by an earlier start" in said, said
+    assert f"moved aside as {aside.name}" in said, said
+    with d.client() as client:
+        assert client.lookup(ks).tiers == [Tier.ABSENT] * 4
+        assert client.check().problems == []
+    d.kill()
+    d.start()  # no block committed since: said again
+    assert d.log().count("was made empty by an earlier start") == 2
+    _persisted(d, 1, 469)  # the index in service: said no more
+    d.kill()
+    d.start()
+    assert d.log().count("was made empty by an earlier start") == 2
+
+
+def test_an_index_deleted_by_hand_beside_its_wal_starts_empty_the_stale_wal_not_replayed(
+    daemon_factory, tmp_path
+):
+    """index.sqlite3 deleted by hand after a SIGKILL, its WAL (holding the last commits) and
+    shared memory left: the start makes a new index, which SQLite opens empty, dropping the
+    stale WAL (replayed onto it, the WAL's pages would name blocks beside pages that are not
+    there: a damaged index). The start says the index was missing beside the data files and
+    starts empty, its index sound: a block put then is served after the next SIGKILL. Until
+    then each start says the blocks were lost."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2))
+    ks, _ = _persisted(d, 4, 470)
+    d.kill()
+    assert (l2 / "index.sqlite3-wal").stat().st_size > 0  # the commits since a checkpoint
+    (l2 / "index.sqlite3").unlink()
+    d.start()
+    log = d.log()
+    assert "is missing but 4 data file(s) are there" in log, log
+    with d.client() as client:
+        assert client.lookup(ks).tiers == [Tier.ABSENT] * 4
+        assert client.check().problems == []
+    d.kill()
+    d.start()
+    assert "no index was found, and no block was committed since" in d.log(), d.log()
+    more, src = _persisted(d, 4, 471)
+    d.kill()
+    d.start()
+    assert d.log().count("no index was found, and no block was committed since") == 1
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.lookup(ks + more).tiers == [Tier.ABSENT] * 4 + [Tier.L2_DISK] * 4
+        _read_back(client, pool.pool_id, more, shm, [page(src, p) for p in range(4)])
+        assert client.check().problems == []

@@ -1,6 +1,8 @@
 """The disk tier's index: a SQLite database (WAL, ``synchronous=FULL``) of every durable block.
 
-Tables: ``meta`` (the geometry the data files were made with), ``blocks`` (``slot -> ns, key,
+Tables: ``meta`` (the geometry the data files were made with; in a new index made beside
+data files whose blocks it cannot name, until its first block commits, when and why:
+``MADE_EMPTY``), ``blocks`` (``slot -> ns, key,
 nbytes, checksum, written_at``), ``quarantine`` (slots whose bytes failed, held out of
 service across restarts), ``namespaces`` (their owners' labels) and ``l3_removals`` (store keys
 whose removal from L3 the store has not confirmed yet, with when the store drops them anyway:
@@ -109,6 +111,12 @@ _INSERT_ROWS = 128
 _ROW_VALUES = "(?, ?, ?, ?, ?, ?)"
 _INSERT_ONE = f"INSERT OR REPLACE INTO blocks VALUES {_ROW_VALUES}"
 _INSERT_MANY = f"INSERT OR REPLACE INTO blocks VALUES {', '.join([_ROW_VALUES] * _INSERT_ROWS)}"
+
+# The ``meta`` row a new index made beside data files whose blocks it cannot name (the index
+# found there moved aside as damaged, or none found) holds until its first block commits:
+# when, and why. A start refused after the open (L1's) left the next start an index that opened
+# as any other and nothing to say of the blocks lost; that start says it now (``made_empty``).
+MADE_EMPTY = "made_empty"
 
 # The index format this code writes, in ``PRAGMA user_version`` (0: format 1, made before it
 # was recorded: blocks keyed by (ns, key)).
@@ -380,10 +388,14 @@ class DiskIndex:
         geometry: dict[str, str],
         clock: Callable[[], float] = time.time,
         count: Callable[..., None] | None = None,
+        data_files: int = 0,
     ) -> None:
         """Open (or create) the index of ``directory`` for ``geometry`` (name -> value; the
         key ``capacity_bytes`` may differ from the stored one). ``count`` is called with
-        counter increments (``index_restored=1``) for what the index mends by itself."""
+        counter increments (``index_restored=1``) for what the index mends by itself.
+        ``data_files``: how many the tier found before the open; a new index made beside
+        some (none found, or the one found moved aside as damaged) records so
+        (``MADE_EMPTY``) until its first block commits."""
         self.path = directory / INDEX_NAME
         self._directory = directory
         self._geometry = geometry
@@ -411,6 +423,12 @@ class DiskIndex:
         # name it is moved aside as, in one warning.
         self._layout_change = ""
         self.previous_capacity: int | None = None  # the stored capacity when it differs
+        # The ``MADE_EMPTY`` record of the index found: an earlier start made it empty beside
+        # data files, and no block committed since ('': none); and whether the index holds
+        # one (this open's too), which the first block commit deletes.
+        self.made_empty = ""
+        self._made_empty_kept = False
+        self._data_files = data_files
         self._db = self._open()
         self._ids = self._file_ids()
 
@@ -559,7 +577,12 @@ class DiskIndex:
                     return False
                 if len(drop):
                     db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in drop])
+                cleared = self._made_empty_kept and not {row[2] for row in rows}.issubset(drop)
+                if cleared:  # a block commits: the index is in service
+                    db.execute("DELETE FROM meta WHERE name = ?", (MADE_EMPTY,))
                 db.execute("COMMIT")
+                if cleared:
+                    self._made_empty_kept = False
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
@@ -979,11 +1002,13 @@ class DiskIndex:
                     db.close()
             self._move_aside(problem)
         made: sqlite3.Connection | None = None
+        record = self._made_empty_record()
         try:
             made = self._connect()
             made.executescript(_SCHEMA)
             made.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
-            self._write_meta(made)
+            self._write_meta(made, record)
+            self._made_empty_kept = bool(record)
         except IndexFilesReplaced:
             raise  # a link at a path: not a file made here
         except (sqlite3.Error, OSError) as e:
@@ -1002,6 +1027,19 @@ class DiskIndex:
             raise IndexNotMade(e, self.moved_aside, self.moved_to) from e
         fsync_dir(self._directory)
         return made
+
+    def _made_empty_record(self) -> str:
+        """The ``MADE_EMPTY`` record of the new index this open makes: '' where it found no
+        data file, or moved the index aside as made for another layout (the operator's
+        change)."""
+        if not self._data_files or self.moved_aside == LAYOUT_CHANGED:
+            return ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self._clock()))
+        if self.moved_aside:
+            why = f"the index found {self.moved_aside}: moved aside as {self.moved_to}"
+        else:
+            why = "no index was found"
+        return f"at {when} beside {self._data_files} data file(s): {why}"
 
     def _finish_restore(self) -> None:
         """A write-back (``_restore``) that the daemon's end interrupted left its copy
@@ -1048,6 +1086,8 @@ class DiskIndex:
             # Schema and meta are written and synced when an index is created, so an index
             # without them lost its content.
             return "is empty or truncated (no metadata)"
+        self.made_empty = meta.get(MADE_EMPTY, "")
+        self._made_empty_kept = bool(self.made_empty)
         # Slot ids and offsets depend on everything but the capacity (and the file size
         # asked for, which the size the files have, ``file_bytes``, answers for).
         changed = [
@@ -1186,10 +1226,14 @@ class DiskIndex:
             raise
         return db
 
-    def _write_meta(self, db: sqlite3.Connection) -> None:
+    def _write_meta(self, db: sqlite3.Connection, made_empty: str = "") -> None:
+        """Write the geometry (a ``MADE_EMPTY`` record kept), and ``made_empty`` as that
+        record where given, in one transaction."""
         db.execute("BEGIN IMMEDIATE")
-        db.execute("DELETE FROM meta")
+        db.execute("DELETE FROM meta WHERE name <> ?", (MADE_EMPTY,))
         db.executemany("INSERT INTO meta VALUES (?, ?)", list(self._geometry.items()))
+        if made_empty:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (MADE_EMPTY, made_empty))
         db.execute("COMMIT")
 
     def _move_aside(self, problem: str) -> None:

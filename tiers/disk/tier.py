@@ -739,7 +739,7 @@ class DiskTier:
             data_files = sorted(p.name for p in self.directory.glob(DATA_GLOB))
             written = _last_written(self.directory, data_files)
             try:
-                self._index = self._open_index(clock)
+                self._index = self._open_index(clock, len(data_files))
             except IndexUpgradeFailed as e:
                 raise TierUnavailable(f"{e}: free space or mend the disk, then restart") from e
             except IndexFilesReplaced as e:
@@ -754,6 +754,19 @@ class DiskTier:
             orphans = data_files if self._index.found_none and not self._index.moved_aside else []
             if orphans:
                 self._missing_index(orphans, written)
+            if self._index.made_empty:
+                # Said by the start that made it; the next ones (that start refused after the
+                # open, by L1) found an index as any other, and nothing said the blocks lost.
+                log.error(
+                    "L2 index %s was made empty by an earlier start %s, and no block was "
+                    "committed since: the blocks those data files held are lost",
+                    self.directory / INDEX_NAME,
+                    self._index.made_empty,
+                )
+                self.faults.note(
+                    f"index made empty by an earlier start {self._index.made_empty}; no block "
+                    "committed since"
+                )
             capacity_before = self._index.previous_capacity or self.allocator.capacity_bytes
             before = layout(self.directory, capacity_before, self._file_bytes)
             sizes = self._file_sizes(before)
@@ -1249,7 +1262,7 @@ class DiskTier:
         )
         self.faults.note(f"index was missing beside {files}, started empty")
 
-    def _open_index(self, clock: Callable[[], float]) -> DiskIndex:
+    def _open_index(self, clock: Callable[[], float], data_files: int) -> DiskIndex:
         """The index, opened. Where the disk has no room for what its open makes (SQLite's
         shared memory file, 32 KiB, made by the first connection after a clean stop removed
         it), the reserve is given back to the filesystem for it, as for a removal, and the
@@ -1263,7 +1276,13 @@ class DiskTier:
         moved = ("", "")  # what an open that failed to make a new index moved aside first
         while True:
             try:
-                index = DiskIndex(self.directory, self._geometry(), clock, count=self.faults.count)
+                index = DiskIndex(
+                    self.directory,
+                    self._geometry(),
+                    clock,
+                    count=self.faults.count,
+                    data_files=data_files,
+                )
             except (sqlite3.Error, OSError) as e:
                 if isinstance(e, IndexFilesReplaced):
                     raise  # a link: refused by the caller
