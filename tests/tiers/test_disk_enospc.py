@@ -144,6 +144,29 @@ def test_regression_a_new_index_that_found_no_room_was_moved_aside_in_place_of_t
         assert [p.name for p in directory.glob("index.sqlite3.corrupt-*")] == [aside]
 
 
+def test_regression_a_new_index_made_after_the_reserve_was_given_back_recorded_no_index_found(
+    small_fs: Path,
+) -> None:
+    """A damaged index on a full disk: moved aside, the new index found no room, the reserve
+    was given back and the open tried again, which made the new index. That start said the
+    index was moved aside, but the new index's record of why it was made empty (``MADE_EMPTY``,
+    said by each start until a block commits) was the second open's, which had found no index
+    at all: "no index was found", the file moved aside and why unnamed. It now names them."""
+    directory = small_fs / "l2"
+    DiskTier(directory, 16 * MiB, 1 * MiB).close()
+    (directory / "index.sqlite3").write_bytes(os.urandom(64 << 10))
+    fill_disk(small_fs / "filler")
+    DiskTier(directory, 16 * MiB, 1 * MiB).close()  # moved aside, then made on the reserve
+    [aside] = [p.name for p in directory.glob("index.sqlite3.corrupt-*")]
+    (small_fs / "filler").unlink()
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        detail = tier.health().detail
+        assert "index made empty by an earlier start" in detail, detail
+        assert "cannot be read (index: SQLITE_NOTADB" in detail, detail
+        assert f"moved aside as {aside}" in detail, detail
+        assert "no index was found" not in detail, detail
+
+
 def test_regression_a_start_refused_after_moving_a_damaged_index_aside_said_nothing_of_it(
     small_fs: Path,
 ) -> None:

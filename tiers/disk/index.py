@@ -389,13 +389,16 @@ class DiskIndex:
         clock: Callable[[], float] = time.time,
         count: Callable[..., None] | None = None,
         data_files: int = 0,
+        moved: tuple[str, str] = ("", ""),
     ) -> None:
         """Open (or create) the index of ``directory`` for ``geometry`` (name -> value; the
         key ``capacity_bytes`` may differ from the stored one). ``count`` is called with
         counter increments (``index_restored=1``) for what the index mends by itself.
         ``data_files``: how many the tier found before the open; a new index made beside
         some (none found, or the one found moved aside as damaged) records so
-        (``MADE_EMPTY``) until its first block commits."""
+        (``MADE_EMPTY``) until its first block commits. ``moved``: what an earlier open of
+        this start moved aside (why, and as what) before it could not make the new index
+        (``IndexNotMade``), taken as this open's (``moved_aside``, and that record)."""
         self.path = directory / INDEX_NAME
         self._directory = directory
         self._geometry = geometry
@@ -414,8 +417,9 @@ class DiskIndex:
         self._unrecorded: dict[int, str | None] = {}
         # Reentrant: a caller holding it across several calls (``held``) makes them as usual.
         self._lock = threading.RLock()
-        self.moved_aside = ""  # why the index found at open was moved aside, if it was
-        self.moved_to = ""
+        # Why the index found at open (or by an earlier open: ``moved``) was moved aside, if
+        # it was, and as what.
+        self.moved_aside, self.moved_to = moved
         # Whether the open found no index (nor a write-back's copy to put in its place) and
         # made a new one: the tier's cue for an index missing beside its data files.
         self.found_none = False

@@ -1282,6 +1282,7 @@ class DiskTier:
                     clock,
                     count=self.faults.count,
                     data_files=data_files,
+                    moved=moved,
                 )
             except (sqlite3.Error, OSError) as e:
                 if isinstance(e, IndexFilesReplaced):
@@ -1332,8 +1333,6 @@ class DiskTier:
                     )
                     + f"{aside}: {room}, then restart"
                 ) from e
-            if moved[0] and not index.moved_aside:
-                index.moved_aside, index.moved_to = moved  # reported as this open's
             return index
 
     def _make_reserve(self) -> None:
