@@ -2927,6 +2927,19 @@ def test_a_wal_checkpoint_a_reader_holds_up_is_tried_again_by_the_watch_not_a_fa
         assert _recovered_keys(again) == {b[0] for b in blocks.values()}
 
 
+def _index_removed_for_good(disk_dir: Path, faulty_files: FaultyFiles) -> Callable[..., None]:
+    """A fault (once) that removes the index file and puts a folder in the way of its
+    write-back's temporary copy (``index.sqlite3.restore``: removed, the write-back works)."""
+
+    def remove_index(*_: object) -> None:
+        faulty_files.clear()
+        (disk_dir / "index.sqlite3").unlink()
+        (disk_dir / "index.sqlite3.restore").mkdir()
+        (disk_dir / "index.sqlite3.restore" / "file").touch()
+
+    return remove_index
+
+
 def test_regression_a_put_failed_as_its_index_could_not_be_written_back_stays_failed(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:
@@ -2937,13 +2950,7 @@ def test_regression_a_put_failed_as_its_index_could_not_be_written_back_stays_fa
     the failed put's blocks (7 recovered, 5 persisted). Its rows are now deleted again, as
     for a removed WAL, before the put fails."""
     in_the_way = disk_dir / "index.sqlite3.restore"
-
-    def remove_index(*_: object) -> None:
-        faulty_files.clear()
-        (disk_dir / "index.sqlite3").unlink()
-        in_the_way.mkdir()
-        (in_the_way / "file").touch()
-
+    remove_index = _index_removed_for_good(disk_dir, faulty_files)
     with _open(disk_dir, backend=faulty_files) as tier:
         before = _persist(tier, make_block, list(range(5)), 4096)
         faulty_files.faults["fdatasync"] = remove_index  # inside the put's transaction
@@ -2954,6 +2961,30 @@ def test_regression_a_put_failed_as_its_index_could_not_be_written_back_stays_fa
     with _open(disk_dir) as again:
         assert _recovered_keys(again) == {b[0] for b in before.values()}
         assert _read(again, before) == {i: b[2] for i, b in before.items()}
+
+
+def test_regression_a_first_put_undone_after_its_commit_deleted_the_made_empty_record(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A new index made beside data files records why (``MADE_EMPTY``) until its first block
+    commits. That first put's commit, its file check failing afterwards (the index file
+    removed meanwhile, not written back), was undone (its rows deleted again) and the put
+    failed, but the record's deletion stayed committed: each later start said nothing of the
+    blocks lost. The undo now puts the record back."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(3)), 4096)
+    (disk_dir / "index.sqlite3").write_bytes(b"not an index" * 512)
+    in_the_way = disk_dir / "index.sqlite3.restore"
+    remove_index = _index_removed_for_good(disk_dir, faulty_files)
+    with _open(disk_dir, backend=faulty_files) as tier:
+        assert tier.faults.snapshot().get("index_moved_aside")
+        faulty_files.faults["fdatasync"] = remove_index  # inside the put's transaction
+        assert not any(o.ok for o in persist(tier, _items(tier, make_block, [5, 6], 4096)))
+        shutil.rmtree(in_the_way)  # close writes the index back
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == set()
+        detail = again.health().detail
+        assert "index made empty by an earlier start" in detail, detail
 
 
 def test_an_index_replaced_while_open_fails_the_commits_after_it(

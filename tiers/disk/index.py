@@ -428,10 +428,10 @@ class DiskIndex:
         self._layout_change = ""
         self.previous_capacity: int | None = None  # the stored capacity when it differs
         # The ``MADE_EMPTY`` record of the index found: an earlier start made it empty beside
-        # data files, and no block committed since ('': none); and whether the index holds
-        # one (this open's too), which the first block commit deletes.
+        # data files, and no block committed since ('': none); and the record the index holds
+        # (this open's too; '': none), which the first block commit deletes.
         self.made_empty = ""
-        self._made_empty_kept = False
+        self._made_empty_kept = ""
         self._data_files = data_files
         self._db = self._open()
         self._ids = self._file_ids()
@@ -581,12 +581,13 @@ class DiskIndex:
                     return False
                 if len(drop):
                     db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in drop])
-                cleared = self._made_empty_kept and not {row[2] for row in rows}.issubset(drop)
+                record = self._made_empty_kept
+                cleared = bool(record) and not {row[2] for row in rows}.issubset(drop)
                 if cleared:  # a block commits: the index is in service
                     db.execute("DELETE FROM meta WHERE name = ?", (MADE_EMPTY,))
                 db.execute("COMMIT")
                 if cleared:
-                    self._made_empty_kept = False
+                    self._made_empty_kept = ""
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
@@ -599,8 +600,8 @@ class DiskIndex:
                 # removed meanwhile that could not be written back yet (``close`` tries
                 # again): a restart would serve blocks whose write failed. Deleted again in
                 # the same connection, they reach the index file with their deletion or not
-                # at all.
-                self._undo_insert(db, rows, drop)
+                # at all; so does the ``MADE_EMPTY`` record it deleted, put back.
+                self._undo_insert(db, rows, drop, record if cleared else "")
                 raise
             self._unrecorded.clear()
         return True
@@ -769,10 +770,16 @@ class DiskIndex:
         return self._conn()  # reopened when the WAL was replaced
 
     def _undo_insert(
-        self, db: sqlite3.Connection, rows: Sequence[BlockRow], dropped: Sequence[int]
+        self,
+        db: sqlite3.Connection,
+        rows: Sequence[BlockRow],
+        dropped: Sequence[int],
+        made_empty: str,
     ) -> None:
         """Delete the rows of a committed insert whose file check failed, in the connection
-        that committed them (its WAL, removed or not), without checking the files again.
+        that committed them (its WAL, removed or not), without checking the files again, and
+        write back the ``MADE_EMPTY`` record ``made_empty`` it deleted (''; none): no block
+        of it committed after all.
         Best effort: the commit's failure is what the caller reports. Nothing to do where
         that connection was closed (an index file that could not be put back in place): no
         restart reads what it committed."""
@@ -783,6 +790,12 @@ class DiskIndex:
         try:
             with _immediate(db):
                 db.executemany("DELETE FROM blocks WHERE slot = ?", slots)
+                if made_empty:
+                    db.execute(
+                        "INSERT OR REPLACE INTO meta VALUES (?, ?)", (MADE_EMPTY, made_empty)
+                    )
+            if made_empty:
+                self._made_empty_kept = made_empty
         except sqlite3.Error as e:
             log.error(
                 "L2 index %s: the rows of %d blocks whose commit failed could not be deleted "
@@ -1012,7 +1025,7 @@ class DiskIndex:
             made.executescript(_SCHEMA)
             made.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
             self._write_meta(made, record)
-            self._made_empty_kept = bool(record)
+            self._made_empty_kept = record
         except IndexFilesReplaced:
             raise  # a link at a path: not a file made here
         except (sqlite3.Error, OSError) as e:
@@ -1091,7 +1104,7 @@ class DiskIndex:
             # without them lost its content.
             return "is empty or truncated (no metadata)"
         self.made_empty = meta.get(MADE_EMPTY, "")
-        self._made_empty_kept = bool(self.made_empty)
+        self._made_empty_kept = self.made_empty
         # Slot ids and offsets depend on everything but the capacity (and the file size
         # asked for, which the size the files have, ``file_bytes``, answers for).
         changed = [
