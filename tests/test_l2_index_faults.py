@@ -460,17 +460,24 @@ def test_regression_a_folder_at_the_l2_index_journal_moved_a_healthy_index_aside
 
 
 def _address_space_short_of(l1_bytes: int) -> tuple[str, ...]:
-    """A daemon entry whose address space (RLIMIT_AS) holds what kvtierd maps up to its L1
-    arena but not an arena of ``l1_bytes``: the host checks (memory, the cgroup's limit) pass
-    and the start is refused after L2 opened, L1's map failing (ENOMEM), as where host memory
-    ran short between the checks and the map."""
+    """A daemon entry whose address space (RLIMIT_AS), set as the L1 arena is made, holds
+    what the process maps by then and half an arena of ``l1_bytes``: the host checks (memory,
+    the cgroup's limit) pass and the start is refused after L2 opened, L1's map failing
+    (ENOMEM), as where host memory ran short between the checks and the map. No memory is
+    taken (the arena's map is what fails), and the limit needs no guess of what the daemon
+    maps before it."""
     lines = [
         "import resource, sys",
         "from kvtier.daemon.entry import main",
-        "with open('/proc/self/status') as f:",
-        "    vm = next(int(x.split()[1]) for x in f if x.startswith('VmSize:')) << 10",
-        f"limit = vm + {l1_bytes // 2}",
-        "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))",
+        "from kvtier.tiers.host import HostArena",
+        "make = HostArena.__init__",
+        "def short(self, *args, **kw):",
+        "    with open('/proc/self/status') as f:",
+        "        vm = next(int(x.split()[1]) for x in f if x.startswith('VmSize:')) << 10",
+        f"    limit = vm + {l1_bytes // 2}",
+        "    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))",
+        "    make(self, *args, **kw)",
+        "HostArena.__init__ = short",
         "sys.exit(main())",
     ]
     return ("-c", "\n".join(lines))
@@ -489,7 +496,7 @@ def test_regression_a_start_after_one_refused_past_making_a_new_index_said_nothi
     ks, _ = _persisted(d, 4, 468)
     assert d.stop() == 0
     (l2 / "index.sqlite3").write_bytes(b"not an index" * 512)
-    l1_bytes = 4 << 30
+    l1_bytes = 512 << 20
     refused = daemon_factory(
         *l2_args(l2), l1_bytes=str(l1_bytes), wait=False, entry=_address_space_short_of(l1_bytes)
     )
