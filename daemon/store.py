@@ -2075,6 +2075,11 @@ class BlockStore:
                     f"{level.label} did not read every index row at start (see the log); a "
                     "delete now would not last past the next start: restart the daemon"
                 )
+        # The keys' rows an earlier eviction's or Delete's free left in a persistent tier's
+        # index (it failed, or still runs) go first: where they cannot, the Delete fails with
+        # nothing done. What it finds is read after this await: a pin or a put of one of the
+        # keys meanwhile keeps it (busy), as one before the Delete would.
+        await self._rows_gone(ns, words, None)
         table = self.table
         found = table.find_any(ns, words)
         missing = int(np.count_nonzero(found < 0))
@@ -2125,25 +2130,28 @@ class BlockStore:
             await asyncio.shield(removal)
         deleted = int(np.count_nonzero(~busy))
         self.space.misses.discard(table.identities(ns, words))  # deleted on purpose: "absent"
+        # The blocks are gone from here whether or not the Delete is answered below (its
+        # retry finds them missing, and counts nothing).
         self.counters.inc("deleted_blocks", deleted)
         await self._rows_gone(ns, words, unfreed)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
 
-    async def _rows_gone(self, ns: int, words: np.ndarray, unfreed: list[TierKind]) -> None:
-        """Before a Delete of ``words`` is answered: no persistent tier's index keeps a row
-        of one of the keys, which a restart would bring back (a Get serving bytes the client
-        was told were deleted). Their rows in slots still on their way out (an earlier
-        eviction's or Delete's free that failed, or is still running) are deleted now
-        (``SlotTier.drop_rows_left``). Raises Unavailable, the Delete not acknowledged, where
-        this Delete's own free failed (``unfreed``'s tiers: retried in the background)
-        or those rows cannot be deleted: the keys are gone from the table already (the
-        message says so), and the client's retry deletes the rows once the index takes
+    async def _rows_gone(self, ns: int, words: np.ndarray, unfreed: list[TierKind] | None) -> None:
+        """That no persistent tier's index keeps a row of one of the keys ``words``, which a
+        restart would bring back (a Get serving bytes the client was told were deleted):
+        their rows in slots still on their way out (an earlier eviction's or Delete's free
+        that failed, or is still running) are deleted now (``SlotTier.drop_rows_left``).
+        ``unfreed``: None before the Delete drops the keys; after, the tiers whose free of
+        them failed (retried in the background). Raises Unavailable, the Delete not
+        acknowledged, where those rows cannot be deleted or this Delete's own free failed:
+        before the drop, with nothing done; after, the keys gone from the table already (the
+        message says which), and the client's retry deletes the rows once the index takes
         commits again (until then it fails so too)."""
         refs: Sequence[BlockRef] | None = None
         for level in self.stack.levels:
             if not level.persistent or level.keyed:
                 continue
-            freed = level.kind not in unfreed
+            freed = unfreed is None or level.kind not in unfreed
             if freed:
                 if refs is None:
                     refs = BlockRefs(np.full(len(words), ns, dtype=np.uint64), words)
@@ -2153,11 +2161,17 @@ class BlockStore:
                     await self.transfers.run(Priority.DEMAND, level.slots.drop_rows_left, refs)
                 )
             if not freed:
+                if unfreed is None:
+                    raise Unavailable(
+                        f"{level.label} could not delete rows of the keys an earlier eviction or "
+                        f"delete left in its index (see its health): nothing was deleted; retry the "
+                        "delete"
+                    )
                 raise Unavailable(
                     f"{level.label} could not delete the keys' rows from its index (see its "
-                    "health: another process holds it locked, or the disk is full): the keys "
-                    "are dropped here, but a restart would bring the blocks back; retry the "
-                    "delete"
+                    "health: another process holds it locked, or the disk is full): "
+                    "the keys are dropped here, but a restart would bring the blocks back; "
+                    "retry the delete"
                 )
 
     async def _remove_keyed(self, refs: list[BlockRef]) -> None:

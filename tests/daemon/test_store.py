@@ -6716,9 +6716,43 @@ async def test_regression_a_delete_of_a_key_whose_l2_eviction_was_not_freed_came
     assert (await store.evict(0, key, TierKind.DISK)).evicted == 1
     await store.space.drain()
     assert where(store, key) == ["L1"]
-    await _delete_unfreed(store, key)
+    with pytest.raises(Unavailable, match="nothing was deleted"):
+        await store.delete(0, key)
     assert [r.key for r in l2._medium.index.values()] == [key[0].tobytes()]  # a crash: back
     l2.fail_removes = False
-    assert (await store.delete(0, key)).missing == 1  # the retry: the row goes first
+    assert (await store.delete(0, key)).deleted == 1  # the retry: the row goes first
     assert not l2._medium.index
     assert l2.reopen().recover().keys.size == 0
+
+
+async def test_regression_a_delete_failing_on_an_earlier_evictions_rows_dropped_the_keys_anyway(
+    make_store,
+):
+    """A Delete that could not delete the rows an earlier eviction's failed free left of its
+    keys failed UNAVAILABLE only after it had dropped the keys from every tier here and
+    freed their slots: the client, told to retry, had lost the blocks all the same (a Get
+    missed them), and the message said they were dropped. Those rows now go first; where
+    they cannot, the Delete fails with nothing done, saying so: the keys are still served,
+    nothing counted as deleted."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 8 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    key, other = keys(2)[:1], keys(2)[1:]
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    assert (await put(store, pool, other, pages=[1], durable=True))[1] == [True]
+    want = page_bytes(pool, 0)
+    l2.fail_removes = True
+    assert (await store.evict(0, key, TierKind.DISK)).evicted == 1
+    await store.space.drain()
+    before = where(store, other)
+    with pytest.raises(Unavailable, match="nothing was deleted") as raised:
+        await store.delete(0, np.concatenate([key, other]))
+    assert "dropped here" not in str(raised.value)
+    assert where(store, key) == ["L1"] and where(store, other) == before
+    assert store.counters.get("deleted_blocks") == 0
+    assert await get(store, pool, key, [10]) == [True]
+    assert page_bytes(pool, 10) == want
+    l2.fail_removes = False
+    assert (await store.delete(0, np.concatenate([key, other]))).deleted == 2
+    await store.space.drain()
+    assert store.check() == []
