@@ -234,7 +234,11 @@ COUNTERS: dict[str, MetricDef] = {
     "leases_expired": _c(
         "kvtier_leases_expired_total", (), "Leases (pins) that ran out before their release."
     ),
-    "deleted_blocks": _c("kvtier_deleted_blocks_total", (), "Blocks removed by Delete."),
+    "deleted_blocks": _c(
+        "kvtier_deleted_blocks_total",
+        (),
+        "Blocks removed by Delete, also by one that failed after removing them (its retry counts none).",
+    ),
     "evicted_blocks": _c(
         "kvtier_evicted_blocks_total",
         ("tier",),

@@ -2161,15 +2161,15 @@ class BlockStore:
                     await self.transfers.run(Priority.DEMAND, level.slots.drop_rows_left, refs)
                 )
             if not freed:
+                cause = level.slots.health().detail or "see its log"
                 if unfreed is None:
                     raise Unavailable(
                         f"{level.label} could not delete rows of the keys an earlier eviction or "
-                        f"delete left in its index (see its health): nothing was deleted; retry the "
+                        f"delete left in its index ({cause}): nothing was deleted; retry the "
                         "delete"
                     )
                 raise Unavailable(
-                    f"{level.label} could not delete the keys' rows from its index (see its "
-                    "health: another process holds it locked, or the disk is full): "
+                    f"{level.label} could not delete the keys' rows from its index ({cause}): "
                     "the keys are dropped here, but a restart would bring the blocks back; "
                     "retry the delete"
                 )

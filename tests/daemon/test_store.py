@@ -6756,3 +6756,26 @@ async def test_regression_a_delete_failing_on_an_earlier_evictions_rows_dropped_
     assert (await store.delete(0, np.concatenate([key, other]))).deleted == 2
     await store.space.drain()
     assert store.check() == []
+
+
+async def test_regression_a_delete_failing_on_a_locked_index_blamed_a_full_disk_too(
+    make_store, tmp_path, monkeypatch
+):
+    """A Delete whose L2 rows could not be deleted said "another process holds it locked, or
+    the disk is full" whatever the cause: an operator checked the disk's room for a lock. It
+    now names the cause the tier had (its health's fault)."""
+    from kvtier.tiers.disk import index as index_module
+
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    disk = _open_l2(tmp_path)
+    store, pool = make_store(Clock(), l2=disk), make_pool()
+    await store.recover()
+    chain = keys(2)
+    _, persisted = await store.put(pool, 0, chain, np.arange(2), None, durable=True)
+    assert persisted.all()
+    with _index_locked(disk), pytest.raises(Unavailable, match="L2") as raised:
+        await store.delete(0, chain)
+    said = str(raised.value)
+    assert "locked: index delete" in said, said
+    assert "disk is full" not in said, said
+    assert (await store.delete(0, chain)).busy == 0
