@@ -572,17 +572,19 @@ class SlotTier(Protocol):
         ...
 
     def rows_left(self, refs: Sequence[BlockRef]) -> bool:
-        """Whether a persistent tier's index may still hold a row of one of ``refs``' keys in
-        a slot on its way to ``remove`` or whose ``remove`` failed (``removing``; one noted
-        without its key may hold any key's): a restart would bring that block back. A lookup
-        per key, on the caller's thread. Volatile tiers: False."""
+        """Whether a persistent tier's index may still hold a row of one of ``refs``' blocks
+        (namespace and key) in a slot on its way to ``remove`` or whose ``remove`` failed
+        (``removing``; one noted without its key may hold any key's until its row is read):
+        a restart would bring that block back. A lookup per key, on the caller's thread.
+        Volatile tiers: False."""
         ...
 
     def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
-        """Delete, in one commit, the rows ``rows_left`` finds for ``refs``' keys, as a block
+        """Delete, in one commit, the rows of ``refs``' blocks ``rows_left`` finds, as a block
         commit of those keys does (``removing``): nothing freed, their ``remove`` frees the
-        slots. False where the commit failed: the rows may still be there. I/O: called on a
-        worker thread. Volatile tiers: True."""
+        slots. A slot that may hold any key's row has its row read first: no commit where
+        no row is of ``refs``. False where the commit failed: the rows may still be there.
+        I/O: called on a worker thread. Volatile tiers: True."""
         ...
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:

@@ -201,21 +201,27 @@ class MemoryTier:
             return bool(self._rows_of(refs))
 
     def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
-        if self.fail_removes:  # the index takes no deletion
-            return False
         with self._lock:
-            for slot in self._rows_of(refs):
+            mine = self._rows_of(refs)
+            if mine and self.fail_removes:  # the index takes no deletion
+                return False
+            for slot in mine:
                 self._medium.index.pop(slot, None)
                 del self._unremoved_rows[slot]
         return True
 
     def _rows_of(self, refs: Sequence[BlockRef]) -> list[int]:
-        """The slots of ``_unremoved_rows`` that may hold a row of ``refs``' keys; the lock
-        held."""
+        """The slots of ``_unremoved_rows`` whose row is of one of ``refs``' blocks (namespace
+        and key: read, as the disk tier's ``drop_rows_left`` does); the lock held."""
         if not self._unremoved_rows:
             return []
-        named = {bytes(ref[1]) for ref in refs}
-        return [s for s, key in self._unremoved_rows.items() if key is None or key in named]
+        named = {(int(ref[0]), bytes(ref[1])) for ref in refs}
+        index = self._medium.index
+        return [
+            s
+            for s in self._unremoved_rows
+            if (row := index.get(s)) is not None and (int(row.ns), bytes(row.key)) in named
+        ]
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         out, self._recovered = self._recovered, []

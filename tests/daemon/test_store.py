@@ -6779,3 +6779,32 @@ async def test_regression_a_delete_failing_on_a_locked_index_blamed_a_full_disk_
     assert "locked: index delete" in said, said
     assert "disk is full" not in said, said
     assert (await store.delete(0, chain)).busy == 0
+
+
+async def test_regression_an_unfreed_l2_row_failed_another_tenants_delete_of_its_key_bytes(
+    make_store, tmp_path, monkeypatch
+):
+    """L2 slots whose free failed are noted with their key's bytes only: a Delete by another
+    tenant of keys of the same bytes (its own never stored) deleted their rows in a write
+    transaction, and under a lock another process held waited out the busy timeout and
+    failed UNAVAILABLE. Such rows are now read (a read is not held up by another process's
+    write transaction), and only those of the Delete's own namespace and keys deleted."""
+    from kvtier.tiers.disk import index as index_module
+
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    disk = _open_l2(tmp_path)
+    store, pool = make_store(Clock(), l2=disk), make_pool()
+    await store.recover()
+    chain, never = keys(2), keys(4)[2:]
+    _, persisted = await store.put(pool, 0, chain, np.arange(2), None, durable=True)
+    assert persisted.all()
+    with _index_locked(disk):
+        with pytest.raises(Unavailable, match="dropped here"):
+            await store.delete(0, chain)  # its own free failed: the rows kept
+        assert (await store.delete(0, never)).missing == 2
+        assert (await store.delete(1, chain)).missing == 2  # the same bytes, another tenant
+        with pytest.raises(Unavailable, match="nothing was deleted"):
+            await store.delete(0, chain)  # the retry: its rows are still there
+    assert (await store.delete(0, chain)).missing == 2  # the lock let go: the rows go
+    crashed = await _crash_restart(make_store, tmp_path, Clock(), "after")
+    assert (crashed.table.lookup(0, chain) < 0).all()

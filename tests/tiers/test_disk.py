@@ -2987,6 +2987,40 @@ def test_regression_a_first_put_undone_after_its_commit_deleted_the_made_empty_r
         assert "index made empty by an earlier start" in detail, detail
 
 
+def test_regression_a_slot_noted_without_its_key_failed_every_delete_under_a_locked_index(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot on its way out noted without its key (``removing`` given no blocks; a failed
+    ``remove``) made ``drop_rows_left`` delete its row for any Delete, in a write
+    transaction: under a lock another process held, every Delete, of keys never stored or of
+    another tenant's keys of the same bytes, failed after the busy timeout. Its row is now
+    read (not held up by the lock), kept with the slot, and deleted only for its own block's
+    namespace and key."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [0, 1], 4096)
+        (key, slot, *_), kept = blocks[0], blocks[1][0]
+        tier.removing([slot])  # without its key: it may hold any key's row
+        mine, never, theirs = BlockRef(1, key), BlockRef(1, b"\7" * len(key)), BlockRef(2, key)
+        assert tier.rows_left([never])
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            assert tier.drop_rows_left([never])
+            assert not tier.rows_left([never])  # read once, kept
+            assert not tier.rows_left([theirs])
+            assert tier.drop_rows_left([theirs])
+            assert tier.rows_left([mine])
+            assert not tier.drop_rows_left([mine])  # its own: deleted, the lock fails it
+        finally:
+            other.close()
+        assert tier.drop_rows_left([mine])
+        assert not tier.rows_left([mine])
+        assert tier.remove([slot])
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {kept}
+
+
 def test_an_index_replaced_while_open_fails_the_commits_after_it(
     disk_dir: Path, make_block: Block
 ) -> None:

@@ -87,7 +87,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
 from kvtier.tiers.disk.health import classify
@@ -175,6 +175,9 @@ def write_l3_removals(
     caller's transaction."""
     db.executemany("DELETE FROM l3_removals WHERE key = ?", [(k,) for k in dropped])
     db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
+
+
+_NS_MASK = (1 << 64) - 1  # a row's namespace (signed, ``_signed``) as the unsigned one
 
 
 def _signed(ns: int) -> int:
@@ -538,14 +541,24 @@ class DiskIndex:
 
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
         """Which of ``slots`` have a block row."""
-        found: list[int] = []
+        return [row[0] for row in self._block_rows_of("slot", slots)]
+
+    def block_keys(self, slots: Sequence[int]) -> dict[int, tuple[int, bytes]]:
+        """slot -> (ns, key) of the block row of each of ``slots`` that has one: a read,
+        which another process's write transaction does not hold up (WAL)."""
+        rows = self._block_rows_of("slot, ns, key", slots)
+        return {int(slot): (int(ns) & _NS_MASK, bytes(key)) for slot, ns, key in rows}
+
+    def _block_rows_of(self, columns: str, slots: Sequence[int]) -> list[tuple[Any, ...]]:
+        """``columns`` of the block rows of ``slots`` (those that have one), in chunks."""
+        found: list[tuple[Any, ...]] = []
         with self._lock:
             db = self._conn()
             for start in range(0, len(slots), _CHUNK):
                 chunk = list(slots[start : start + _CHUNK])
                 marks = ",".join("?" * len(chunk))
-                query = f"SELECT slot FROM blocks WHERE slot IN ({marks})"
-                found += [row[0] for row in db.execute(query, chunk)]
+                query = f"SELECT {columns} FROM blocks WHERE slot IN ({marks})"
+                found += db.execute(query, chunk).fetchall()
         return found
 
     # ------------------------------------------------------------------ writing

@@ -78,6 +78,7 @@ import numpy as np
 
 from kvtier.tiers.base import (
     BlockRef,
+    BlockRefs,
     Health,
     HostBuffers,
     Priority,
@@ -704,6 +705,9 @@ class DiskTier:
         self._unremoved_keys: dict[int, bytes] = {}
         self._unremoved_of_key: dict[bytes, int] = {}
         self._unkeyed: set[int] = set()
+        # slot -> (ns, key) of the row of a slot of ``_unremoved``, where ``drop_rows_left``
+        # read it from the index.
+        self._unremoved_rows: dict[int, tuple[int, bytes]] = {}
         # Those slots, and the ones whose rows a commit deleted since, until a ``remove``
         # frees them: the store still hands them to ``remove``, so a release of a quarantined
         # one leaves it held (``release_quarantined``).
@@ -1091,30 +1095,48 @@ class DiskTier:
                 of_key[key] = slot
 
     def rows_left(self, refs: Sequence[BlockRef]) -> bool:
-        """Whether the index may hold a row of one of ``refs``' keys in a slot of
-        ``_unremoved``: one noted with such a key, or any noted without (``_unkeyed``)."""
+        """Whether the index may hold a row of one of ``refs``' blocks in a slot of
+        ``_unremoved`` (``_maybe_rows``)."""
         with self._state_lock:
-            if self._unkeyed:
-                return True
-            of_key = self._unremoved_of_key
-            return bool(of_key) and any(k in of_key for k in ref_keys(refs))
+            if not self._unkeyed and not self._unremoved_of_key:
+                return False
+            return bool(self._maybe_rows(_ref_pairs(refs)))
+
+    def _maybe_rows(self, wanted: set[tuple[int, bytes]]) -> list[int]:
+        """The slots of ``_unremoved`` that may hold a row of one of ``wanted`` (ns, key):
+        noted with such a key or without one (``_unkeyed``), and whose row, where read
+        (``_unremoved_rows``), is of one of them; the state lock held."""
+        of_key, read = self._unremoved_of_key, self._unremoved_rows
+        named = {of_key[key] for _, key in wanted if key in of_key}
+        return [s for s in named.union(self._unkeyed) if (r := read.get(s)) is None or r in wanted]
 
     def drop_rows_left(self, refs: Sequence[BlockRef]) -> bool:
-        """Delete the rows ``rows_left`` finds for ``refs``' keys in one commit (on a full disk
-        on the reserve, as a removal's: ``_delete_rows``), as a block commit of those keys
-        deletes them (``_make_durable``): nothing freed, their ``remove`` frees the slots with
-        no write transaction. False where the commit failed (the tier's fault, as a failed
+        """Delete the rows of ``refs``' blocks (namespace and key) in slots of ``_unremoved``
+        in one commit (on a full disk on the reserve, as a removal's: ``_delete_rows``), as a
+        block commit of those keys deletes them (``_make_durable``): nothing freed, their
+        ``remove`` frees the slots with no write transaction. The rows of the slots
+        ``rows_left`` finds are read first (``_unremoved_rows``): no commit where none is of
+        ``refs``. False where the read or the commit failed (the tier's fault, as a failed
         removal's): the rows may still be there."""
         self._check_open()
-        keys = ref_keys(refs)
+        wanted = _ref_pairs(refs)
         mine: list[int] = []
         try:
             # Read and forgotten holding the index: a slot freed since is not here, and one
             # here is not freed before its row is gone (``remove`` deletes first).
             with self._idx().held():
                 with self._state_lock:
-                    of_key = self._unremoved_of_key
-                    mine = sorted(self._unkeyed.union([of_key[k] for k in keys if k in of_key]))
+                    maybe = self._maybe_rows(wanted)
+                    read = self._unremoved_rows
+                    unread = [s for s in maybe if s not in read]
+                # The rows of slots noted without their key (or under a key of another
+                # namespace) are read, not deleted unseen: a write transaction for every
+                # Delete, which a lock another process holds fails after the busy timeout,
+                # for rows of other keys. Kept with the slot: no slot here is written again.
+                found = self._idx().block_keys(unread) if unread else {}
+                with self._state_lock:
+                    read.update((s, row) for s, row in found.items() if s in self._unremoved)
+                    mine = sorted(s for s in maybe if read.get(s) in wanted)
                 if mine:
                     self._delete_rows(mine)
                 with self._state_lock:
@@ -1132,6 +1154,7 @@ class DiskTier:
         for slot in slots:
             self._unremoved.discard(slot)
             self._unkeyed.discard(slot)
+            self._unremoved_rows.pop(slot, None)
             key = known.pop(slot, None)
             if key is not None:
                 del of_key[key]
@@ -2480,6 +2503,13 @@ class DiskTier:
 
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+def _ref_pairs(refs: Sequence[BlockRef]) -> set[tuple[int, bytes]]:
+    """The (ns, key) of each of ``refs``, as the index's rows name them (``block_keys``)."""
+    if isinstance(refs, BlockRefs):
+        return set(zip(refs.ns.tolist(), refs.key_bytes(), strict=True))
+    return {(int(r[0]), bytes(r[1])) for r in refs}
 
 
 def _nothing() -> None:
