@@ -319,10 +319,6 @@ class KeyState:
     must_before_delete: bool = False
     put_at: float = 0.0  # when its last put was sent (time.monotonic(), the host's clock)
     gone: bool = False  # a Delete of it was answered, no put sent since
-    # Versions a Delete answered where the daemon's log says slots could not be freed: their
-    # rows may be kept, and the key back once, after the restart (README), put again since
-    # or not.
-    unfreed: list[str] = field(default_factory=list)
 
 
 class Model:
@@ -331,7 +327,6 @@ class Model:
         self.tags: dict[bytes, tuple[str, str, int, str]] = {}
         self.problems: list[str] = []
         self.counts: Counter[str] = Counter()
-        self.unfreed = False  # the log of the daemon the events are of says slots were not freed
         # When that daemon was seen recovered (time.monotonic()), where the clients started
         # with its start; a put sent before may have run during its recovery. 0: they did not.
         self.recovered_at = 0.0
@@ -381,8 +376,6 @@ class Model:
         elif op == "del_ack":
             if event["deleted"] or event["missing"]:
                 self.counts["delete acks"] += 1
-                if self.unfreed:
-                    k.unfreed += k.sent
                 k.sent.clear()
                 k.stored = None
                 k.gone = True
@@ -409,14 +402,10 @@ class Model:
         head: bytes,
         is_whole: bool,
         where: str,
-        *,
-        restarted: bool = False,
     ) -> str | None:
         """The version a block read holds, after checking it may be there (None: a problem).
-        A block deleted where slots were not freed may be back only after a restart (its row
-        read again from the index): a client's read of it in the life its Delete was answered
-        in is a problem. It may be back over a put of the key since that Delete (which took
-        another slot), unless that put was answered persisted."""
+        A block whose Delete was answered never is, before a restart or after: the Delete
+        fails while a persistent tier keeps a row of its key."""
         k = self.keys.setdefault((tenant, ns, i), KeyState())
         who = self.tags.get(head)
         if who is None or not is_whole:
@@ -425,10 +414,6 @@ class Model:
         if who[:3] != (tenant, ns, i):
             self.problems.append(f"{where}: {tenant}/{ns}/{i} read the block of {who}")
             return None
-        if restarted and who[3] not in k.sent and who[3] in k.unfreed and not k.must:
-            self.counts["deleted, back: slots not freed"] += 1
-            k.sent, k.gone, k.unfreed = [who[3]], False, []
-            return who[3]
         if who[3] not in k.sent:
             state = "deleted" if k.gone else "not sent since its last Delete"
             self.problems.append(f"{where}: {tenant}/{ns}/{i} came back ({state}): {who[3]}")
@@ -451,7 +436,6 @@ class Model:
         if k.gone and version is not None:
             self.problems.append(f"{tenant}/{ns}/{i}: deleted, came back as {version}")
         k.stored = version
-        k.unfreed.clear()  # back now or not at all
 
 
 # ---------------------------------------------------------------------------- the campaign
@@ -463,7 +447,8 @@ from kvtier.bench.redis_proc import RedisServer  # noqa: E402
 from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME  # noqa: E402
 
 # What the daemon logs when a persistent tier could not free slots (``SpaceManager``): the
-# rows of the blocks deleted meanwhile may be kept, and those blocks back after a restart.
+# rows of the blocks evicted meanwhile may be kept, and those blocks back after a restart (a
+# Delete answered leaves none: it fails while it cannot delete its keys' rows).
 UNFREED = "slots could not be freed"
 # A start's refusal on a full disk where its L2 index cannot open for want of room (SQLite's
 # shared memory file, after a clean stop) and no reserve is left to give back for it.
@@ -680,9 +665,8 @@ class Campaign:
         (self.root / "stop").touch()
         self.wait_clients(rnd, procs)
         log = d.log()
-        self.model.unfreed = UNFREED in log
         self.model.recovered_at = recovered_at
-        if self.model.unfreed:
+        if UNFREED in log:
             self.moments["slots not freed (log)"] += 1
         if self.growth:
             self.note_reserve(log)
@@ -910,7 +894,6 @@ class Campaign:
                                         block[:32].tobytes(),
                                         whole(block),
                                         f"round {rnd} after restart",
-                                        restarted=True,
                                     )
                                 self.model.observed(t, ns, i, version)
                         c.unregister_pool(pool.pool_id)
