@@ -43,6 +43,7 @@ from kvtier.tiers.base import (
     HEALTHY,
     PROBE_UNKNOWN,
     BlockRef,
+    BlockRefs,
     Health,
     HostBuffers,
     Priority,
@@ -6808,3 +6809,50 @@ async def test_regression_an_unfreed_l2_row_failed_another_tenants_delete_of_its
     assert (await store.delete(0, chain)).missing == 2  # the lock let go: the rows go
     crashed = await _crash_restart(make_store, tmp_path, Clock(), "after")
     assert (crashed.table.lookup(0, chain) < 0).all()
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+async def test_a_put_of_a_key_committed_while_its_delete_drops_earlier_rows_keeps_its_new_row(
+    make_store, tmp_path, monkeypatch, pinned
+):
+    """A Delete first deletes the rows an earlier eviction's failed free left of its keys
+    (``drop_rows_left``, on a worker thread); a put of one of the keys committing meanwhile
+    writes a new row, in another slot, which that step must leave: the Delete reads the
+    table after it, and deletes the new block (answered deleted) or, pinned, keeps it
+    (busy), its row there after a crash."""
+    from kvtier.tiers.disk import index as index_module
+
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    disk = _open_l2(tmp_path)
+    store, pool = make_store(Clock(), l2=disk), make_pool()
+    await store.recover()
+    key = keys(1)
+    assert (await put(store, pool, key, durable=True))[1] == [True]
+    assert (await store.evict(0, key, TierKind.HOST)).evicted == 1
+    with _index_locked(disk):
+        assert (await store.evict(0, key, TierKind.DISK)).evicted == 1
+        await store.space.drain()
+    assert where(store, key) == ["-"]
+    refs = BlockRefs(np.zeros(1, dtype=np.uint64), key)
+    assert disk.rows_left(refs)  # the evicted block's row: a crash would bring it back
+    entered, go = threading.Event(), threading.Event()
+    drop = disk.drop_rows_left
+
+    def held(refs):
+        entered.set()
+        assert go.wait(10)
+        return drop(refs)
+
+    monkeypatch.setattr(disk, "drop_rows_left", held)
+    deleting = asyncio.ensure_future(store.delete(0, key))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        assert (await put(store, pool, key, pages=[1], durable=True))[1] == [True]
+        if pinned:
+            store.pin(store.table.lookup(0, key))
+    finally:
+        go.set()
+    result = await asyncio.wait_for(deleting, 10)
+    assert (result.deleted, result.busy) == ((0, 1) if pinned else (1, 0))
+    crashed = await _crash_restart(make_store, tmp_path, Clock(), "after")
+    assert (crashed.table.lookup(0, key) >= 0).tolist() == [pinned]
