@@ -17,11 +17,10 @@ import pytest
 from crash_campaign import Campaign, Model, tag
 
 
-def _deleted_where_slots_were_not_freed() -> Model:
-    """A model whose alice/s4k/0 was put (version v1, persisted) and deleted, the daemon's log
-    of that life saying slots could not be freed."""
+def _deleted() -> Model:
+    """A model whose alice/s4k/0 was put (version v1, persisted) and deleted, the Delete
+    answered."""
     model = Model()
-    model.unfreed = True
     for event in (
         {"op": "put", "ns": "s4k", "i": 0, "v": "v1"},
         {"op": "put_ack", "ns": "s4k", "i": 0, "v": "v1", "status": "STORED", "p": True},
@@ -33,35 +32,24 @@ def _deleted_where_slots_were_not_freed() -> Model:
 
 
 def test_regression_a_deleted_block_read_in_its_delete_s_life_was_taken_where_slots_were_not_freed():
-    # README: blocks whose rows a fault kept in the index come back after a restart, as after
-    # a stop; in the life the Delete was answered in, the key is gone. The model took a
-    # client's read of it then as such a comeback, so a daemon that served a deleted block
-    # went unseen in every life whose log said slots could not be freed.
-    model = _deleted_where_slots_were_not_freed()
+    # The model once took a client's read of a deleted block, in the life its Delete was
+    # answered in, as a comeback of a row a fault kept; a daemon serving a deleted block
+    # went unseen. It is a problem, as is any comeback of an answered Delete's block.
+    model = _deleted()
     head = tag("alice", "s4k", 0, "v1")
     model.feed("alice", {"op": "read", "ns": "s4k", "i": 0, "tag": head.hex(), "whole": True})
     assert model.problems == ["a client's read: alice/s4k/0 came back (deleted): v1"]
 
 
-def test_a_block_deleted_where_slots_were_not_freed_may_be_back_once_after_the_restart():
-    model = _deleted_where_slots_were_not_freed()
+def test_an_answered_deletes_block_back_after_the_restart_is_a_problem():
+    # A Delete is answered only once no index row of its key is left (where slots could not
+    # be freed it fails instead), so its block never comes back after a restart; the model
+    # let it come back once where the daemon's log said slots were not freed.
+    model = _deleted()
     head = tag("alice", "s4k", 0, "v1")
-    version = model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True)
-    assert version == "v1"
-    model.observed("alice", "s4k", 0, version)
-    assert model.problems == []
-    assert model.counts["deleted, back: slots not freed"] == 1
-    # Back once: deleted again (slots freed this time), it may not come back.
-    model.unfreed = False
-    model.feed("alice", {"op": "del", "ns": "s4k", "i": 0})
-    model.feed("alice", {"op": "del_ack", "ns": "s4k", "i": 0, "deleted": True, "missing": False})
-    model.observed(
-        "alice",
-        "s4k",
-        0,
-        model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True),
-    )
-    assert "alice/s4k/0 came back (deleted): v1" in model.problems[0]
+    version = model.check_block("alice", "s4k", 0, head, True, "after restart")
+    assert version is None
+    assert model.problems == ["after restart: alice/s4k/0 came back (deleted): v1"]
 
 
 def _put(model: Model, v: str, persisted: bool) -> None:
@@ -70,28 +58,14 @@ def _put(model: Model, v: str, persisted: bool) -> None:
     model.feed("alice", ack)
 
 
-def test_regression_a_block_deleted_where_slots_were_not_freed_then_put_again_was_refused_back():
-    # A Delete whose slots were not freed keeps the key's row in the index; a put of the key
-    # after it (an overwrite) takes another slot, and where that version is not made durable
-    # (L1 only, lost at the kill) the restart serves the kept row's version, as README says of
-    # such rows. The model allowed that comeback only with no put since the Delete: it took
-    # it as a block never sent since its last Delete.
-    model = _deleted_where_slots_were_not_freed()
-    _put(model, "v2", persisted=False)
+@pytest.mark.parametrize("persisted", [False, True])
+def test_an_answered_deletes_block_back_over_a_put_since_is_a_problem(persisted):
+    # A put of the key after its answered Delete, made durable or not: the restart may serve
+    # that version or nothing (not persisted), never the deleted one.
+    model = _deleted()
+    _put(model, "v2", persisted=persisted)
     head = tag("alice", "s4k", 0, "v1")
-    version = model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True)
-    model.observed("alice", "s4k", 0, version)
-    assert (version, model.problems) == ("v1", [])
-    assert model.counts["deleted, back: slots not freed"] == 1
-
-
-def test_a_kept_row_back_over_a_put_answered_persisted_since_its_delete_is_a_problem():
-    # The put after the Delete was answered persisted: the restart must serve that version,
-    # not the one whose row the fault kept.
-    model = _deleted_where_slots_were_not_freed()
-    _put(model, "v2", persisted=True)
-    head = tag("alice", "s4k", 0, "v1")
-    version = model.check_block("alice", "s4k", 0, head, True, "after restart", restarted=True)
+    version = model.check_block("alice", "s4k", 0, head, True, "after restart")
     assert version is None
     assert model.problems == [
         "after restart: alice/s4k/0 came back (not sent since its last Delete): v1"
