@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -76,6 +77,7 @@ from kvtier.client.sync import (
     late_lookup_text,
     no_fd_transport,
     refuse_in_child,
+    session_watch_ended,
 )
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -88,6 +90,49 @@ session_log = logging.getLogger(credentials.SESSION_LOGGER)
 # raised in the loop) is one: it may land anywhere in the call, gRPC's code and the client's
 # release of the call's slot included (see ``_until_run``, ``_settle_pinned``).
 NOT_INTERRUPTS = (Exception, asyncio.CancelledError, GeneratorExit)
+# Tasks of clients collected unclosed, or of none: the session watchers (``_watch_session``)
+# and the closes of collected clients' channels (``_close_dropped``), held until they end
+# (the loop keeps only a weak reference to a task).
+_orphans: set[asyncio.Task[Any]] = set()
+
+
+def _hold_orphan(task: asyncio.Task[Any]) -> None:
+    _orphans.add(task)
+    task.add_done_callback(_orphans.discard)
+
+
+async def _watch_session(client: weakref.ref[AsyncClient], call: Any, session_id: str) -> None:
+    """A session's watcher task: waits for the end of its stream, then has the client, if it
+    still exists, forget the session and log why it ended. It holds only a weak reference to
+    the client, as the blocking client's watcher thread does: with a strong one (its bound
+    method), a client dropped unclosed while its loop ran lived on until the loop ended, its
+    session open in the daemon and its connection with it."""
+    # read(), not async iteration: grpc forbids mixing the two on one call.
+    error = None
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.RpcError as e:
+        error = e
+    session_watch_ended(client, session_id, error)
+
+
+def _close_dropped(held: dict[str, Any], pid: int) -> None:
+    """Close an AsyncClient collected without ``close()`` (its finalizer; it may run on any
+    thread): its session's call and its channel are closed on its loop, while that loop is
+    open. A loop closed already, or a client that never made its channel, leaves nothing to
+    close; nor does a forked child, where the channel is the parent's."""
+    loop = held.get("loop")
+    if loop is None or not in_own_process(pid) or loop.is_closed():
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(_close_on_loop, held["channel"], held.get("call"))
+
+
+def _close_on_loop(channel: Any, session_call: Any) -> None:
+    if session_call is not None:
+        session_call.cancel()  # the daemon then ends the session, freeing its leases and pools
+    _hold_orphan(asyncio.ensure_future(channel.close()))
 
 
 class AsyncClient:
@@ -137,6 +182,12 @@ class AsyncClient:
         # UnregisterPools that went unanswered: see Client._unregister_unconfirmed.
         self._unconfirmed: dict[int, str] = {}
         self._pid = os.getpid()
+        # A client dropped unclosed is closed when collected: its session's watcher holds no
+        # reference to it (see _watch_session), and its finalizer holds none either, only its
+        # loop, its channel and the open session's call (kept in _held).
+        self._held: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _close_dropped, self._held, self._pid)
+        self._finalizer.atexit = False  # the process's exit ends its sessions anyway
 
     # --------------------------------------------------------------- lifecycle
 
@@ -158,6 +209,7 @@ class AsyncClient:
                 response_deserializer=hc.decode_response,
             )
             self._loop = loop
+            self._held["loop"], self._held["channel"] = loop, self._channel
         elif loop is not self._loop:
             which = "which has closed" if self._loop.is_closed() else "not the caller's"
             raise FailedPreconditionError(
@@ -179,10 +231,12 @@ class AsyncClient:
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.close(), own))
                 return
             self._closed = True
+            self._finalizer.detach()  # nothing is left to close, on a loop that has ended
             self._session_id, self._session_call, self._session_task = "", None, None
             self._unanswered.clear()
             return
         self._closed = True
+        self._finalizer.detach()  # closed here: collected, it is not closed again
         call, task = self._session_call, self._session_task
         self._session_id, self._session_call, self._session_task = "", None, None
         if call is not None:
@@ -253,8 +307,12 @@ class AsyncClient:
         if first is grpc.aio.EOF:
             raise UnavailableError("the daemon closed the session at once")
         self._session_id, self._session_call = first.session_id, call
+        self._held["call"] = call
         self.tenant, self.admin = first.tenant, first.admin
-        self._session_task = asyncio.create_task(self._watch_session(call, first.session_id))
+        self._session_task = asyncio.create_task(
+            _watch_session(weakref.ref(self), call, first.session_id)
+        )
+        _hold_orphan(self._session_task)  # held past the client's collection, until it ends
 
     async def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:
         """(first event, call) of one OpenSession, or None after a pause when the daemon's
@@ -284,18 +342,6 @@ class AsyncClient:
             raise closed from None
         await asyncio.sleep(pause)
         return None
-
-    async def _watch_session(self, call: Any, session_id: str) -> None:
-        # read(), not async iteration: grpc forbids mixing the two on one call.
-        error = None
-        try:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-        except grpc.RpcError as e:
-            error = e
-        ours = self.forget_session(session_id)
-        if (line := credentials.session_end_line(session_id, error, ours)) is not None:
-            session_log.warning("%s", line)
 
     def forget_session(self, session_id: str) -> bool:
         """As the sync client's."""

@@ -250,9 +250,16 @@ def _watch_session(client: weakref.ref[Client], call: Any, session_id: str) -> N
             pass
     except grpc.RpcError as e:
         error = e
+    session_watch_ended(client, session_id, error)
+
+
+def session_watch_ended(client: weakref.ref[Any], session_id: str, error: Any) -> None:
+    """The end of a session's watch (either client's): the client, if it still exists,
+    forgets the session, and why it ended is logged (``credentials.session_end_line``); a
+    client collected meanwhile was closed by its finalizer."""
     owner = client()
     if owner is None:
-        return  # collected: _close_dropped ended the session
+        return
     ours = owner.forget_session(session_id)
     del owner
     if (line := credentials.session_end_line(session_id, error, ours)) is not None:

@@ -9,14 +9,16 @@ that user away. Collecting such a client now ends its session.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
 from typing import Any
 
 import pytest
+from harness import entry_setting
 
-from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool
 from kvtier.client import sync as sync_module
 
 DROPPED = 5
@@ -119,3 +121,49 @@ def test_regression_a_closed_client_collected_hands_over_its_channel_no_more(
     del client
     gc.collect()
     assert handed == expected
+
+
+ASYNC_DROPPED = 20
+# The daemon counts its connections at this period here (every 5 s by default).
+CONNECTIONS_CHECK_S = 0.1
+
+
+async def sessions_and_connections(observer: Client, want: tuple[int, int]) -> tuple[int, int]:
+    """The daemon's open sessions and connections once they are ``want`` (or 30 s passed),
+    collecting meanwhile; the loop runs between checks, to close what collected clients
+    leave it to close."""
+    deadline = time.monotonic() + 30
+    while True:
+        gauges = observer.stats().gauges
+        if (got := (gauges["sessions"], gauges["connections"])) == want:
+            return want
+        if time.monotonic() > deadline:
+            return got
+        gc.collect()
+        await asyncio.sleep(0.02)
+
+
+def test_regression_async_clients_dropped_unclosed_end_their_sessions_and_connections(
+    daemon_factory,
+):
+    """An AsyncClient dropped unclosed while its loop runs is collected, and its session and
+    connection end, as a ``Client``'s do. Its session's watcher task held the client (its
+    bound method), so each such client lived on until the loop ended: its session open in
+    the daemon, and its connection (each client holds one of its own)."""
+    checks = {"kvtier.daemon.connections.CHECK_INTERVAL_S": CONNECTIONS_CHECK_S}
+    daemon = daemon_factory(entry=entry_setting(checks))
+    dropped = ASYNC_DROPPED + 1, ASYNC_DROPPED + 1  # with the observer's
+
+    async def main(observer: Client) -> tuple[tuple[int, int], ...]:
+        clients = [AsyncClient(daemon.address) for _ in range(ASYNC_DROPPED)]
+        for client in clients:
+            assert (await client.lookup([bytes(32)])).prefix_len == 0
+        held = await sessions_and_connections(observer, dropped)
+        del clients, client
+        left = await sessions_and_connections(observer, (1, 1))
+        async with AsyncClient(daemon.address) as again:
+            assert (await again.lookup([bytes(32)])).prefix_len == 0
+        return held, left
+
+    with daemon.client() as observer:
+        assert asyncio.run(main(observer)) == (dropped, (1, 1))
