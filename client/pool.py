@@ -46,12 +46,28 @@ MAX_MEMFD_NAME_BYTES = 249
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
+def _check_name_fits(name: str, folder: str | os.PathLike[str]) -> None:
+    """Refuse a shared-memory object's name longer than a file name in ``folder`` may be
+    (its NAME_MAX, 255 bytes where the system does not say), which ``os.open`` refused
+    with a bare OSError (ENAMETOOLONG)."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):  # no such folder (os.open says so), or no such name
+        limit = 255
+    if 0 < limit < (size := len(os.fsencode(name))):
+        raise InvalidArgumentError(
+            f"name: a file name in {os.fspath(folder)} holds at most {limit} bytes (its "
+            f"NAME_MAX), this one {size}"
+        )
+
+
 class SharedMemoryPool:
     """A shared memory region of ``size_bytes``, created fresh and pre-faulted.
 
     ``backing`` is ``"memfd"`` (the default unless a ``name`` is given) or ``"shm"``; ``name``
-    is the /dev/shm object's name (random if None) or the memfd's label (at most
-    ``MAX_MEMFD_NAME_BYTES``). ``seal=False`` leaves a memfd resizable. An argument of the wrong type or out of range is
+    is the /dev/shm object's name (random if None; one file name, at most its folder's
+    NAME_MAX bytes) or the memfd's label (at most ``MAX_MEMFD_NAME_BYTES``). ``seal=False``
+    leaves a memfd resizable. An argument of the wrong type or out of range is
     ``InvalidArgumentError`` (a ValueError) naming it. The memory lives until every mapping
     (the daemon's included) is gone. Once ``close()`` ran, ``array()``, ``tensor()`` and
     registering the pool (again,
@@ -98,6 +114,8 @@ class SharedMemoryPool:
                 raise InvalidArgumentError(
                     f"name: {name!r} holds a '/': a shared-memory object's name is one file name"
                 )
+            if name is not None:
+                _check_name_fits(name, shm_dir)
         elif name is not None and (size := len(os.fsencode(name))) > MAX_MEMFD_NAME_BYTES:
             # memfd_create failed with a bare OSError (EINVAL) naming nothing.
             raise InvalidArgumentError(

@@ -552,6 +552,22 @@ def test_regression_a_memfd_name_over_249_bytes_raised_oserror(name):
     SharedMemoryPool(4096, name="x" * 249, backing="memfd").close()
 
 
+def test_regression_a_shm_pool_name_over_name_max_is_refused_naming_the_limit(tmp_path):
+    """A ``backing="shm"`` name longer than a file name in its folder may be (NAME_MAX, in
+    bytes) raised a bare OSError (ENAMETOOLONG) from ``os.open``; it is InvalidArgumentError
+    naming the limit, and a name of the limit's length is a pool."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    with SharedMemoryPool(4096, name="x" * limit, shm_dir=str(tmp_path)) as pool:
+        assert os.path.basename(pool.path) == "x" * limit
+    for name in ("x" * (limit + 1), "\u00e9" * (limit // 2 + 1)):  # bytes are counted
+        size = len(name.encode())
+        says = rf"^name: a file name in {re.escape(str(tmp_path))} holds at most {limit} bytes "
+        says += rf"\(its NAME_MAX\), this one {size}$"
+        with pytest.raises(InvalidArgumentError, match=says):
+            SharedMemoryPool(4096, name=name, shm_dir=str(tmp_path)).close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_token_file_this_user_may_not_read_is_permission_denied(tmp_path):
     """Open raised a bare PermissionError (an OSError, no KvtierError) from the constructor."""
     secret = tmp_path / "secret.token"
