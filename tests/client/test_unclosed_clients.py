@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 import time
 from typing import Any
@@ -167,3 +168,35 @@ def test_regression_async_clients_dropped_unclosed_end_their_sessions_and_connec
 
     with daemon.client() as observer:
         assert asyncio.run(main(observer)) == (dropped, (1, 1))
+
+
+def test_an_async_client_held_over_a_restart_opens_a_session_again_and_ends_it_dropped(
+    daemon_factory, caplog
+):
+    """Its session's watcher holds the client weakly: a client still held is told that the
+    restart ended its session (it forgets it, and says so), its next call opens another,
+    and dropped, the client ends that one (its finalizer holds the new session's call, not
+    the ended one's) and closes its connection."""
+    caplog.set_level(logging.WARNING, logger="kvtier.client")
+    checks = {"kvtier.daemon.connections.CHECK_INTERVAL_S": CONNECTIONS_CHECK_S}
+    daemon = daemon_factory(entry=entry_setting(checks))
+
+    async def main() -> tuple[tuple[int, int], tuple[int, int]]:
+        client = AsyncClient(daemon.address)
+        first = await client.session()
+        await asyncio.to_thread(daemon.restart)
+        ended = f"session {first[:8]} ended"
+        deadline = time.monotonic() + 30
+        while ended not in caplog.text and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert ended in caplog.text
+        assert (await client.lookup([bytes(32)])).prefix_len == 0
+        assert (second := await client.session()) != first
+        with daemon.client() as observer:
+            held = await sessions_and_connections(observer, (2, 2))
+            del client
+            left = await sessions_and_connections(observer, (1, 1))
+        assert f"session {second[:8]} ended" not in caplog.text  # collected: nothing to tell
+        return held, left
+
+    assert asyncio.run(main()) == ((2, 2), (1, 1))
