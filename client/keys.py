@@ -226,7 +226,9 @@ def block_keys(
     key = namespace.seed()
     keys = []
     for i in range(nblocks):
-        extra = _checked_extra(extras[i], f"extras[{i}]") if extras is not None else b""
+        extra = b"" if extras is None else extras[i]
+        if type(extra) is not bytes:  # the name built only where it may be needed
+            extra = _checked_extra(extra, f"extras[{i}]")
         key = _chained(key, ids[i * step : (i + 1) * step], extra)
         keys.append(key)
     return keys
