@@ -25,6 +25,7 @@ from kvtier.client import (
     SharedMemoryPool,
 )
 from kvtier.client import credentials as cred
+from kvtier.client.health import _varint
 from kvtier.client.types import layout_to_pb
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -316,14 +317,6 @@ def test_regression_names_ending_in_a_newline_passed_the_daemons_checks(daemon):
         ):
             client.register_pool(shm, LAYOUT)
         assert client.stats().gauges["pools"] == 0
-
-
-def _varint(n: int) -> bytes:
-    out = b""
-    while n > 0x7F:
-        out += bytes([n & 0x7F | 0x80])
-        n >>= 7
-    return out + bytes([n])
 
 
 def _field(number: int, wire: int, body: bytes = b"") -> bytes:
